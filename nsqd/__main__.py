@@ -1,0 +1,6 @@
+"""``python -m nsqd``: run the daemon."""
+
+from .cli import main
+
+if __name__ == "__main__":
+    main()

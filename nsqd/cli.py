@@ -1,0 +1,191 @@
+"""Command line: nsqd's flags, config-file precedence and logging setup."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import platform
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+import structlog
+
+from nsqd.options import (
+    OPTION_SPECS,
+    STRING_PARSERS,
+    TLS_REQUIRED,
+    TLS_VERSIONS,
+    Options,
+    OptionsError,
+    format_duration,
+    load_config,
+)
+from nsqd.version import __version__
+
+
+def version_string() -> str:
+    return f"nsqd-trio v{__version__} (built w/python {platform.python_version()})"
+
+
+_METAVARS = {
+    "int": "INT",
+    "float": "FLOAT",
+    "bool": "BOOL",
+    "duration": "DURATION",
+    "floats": "FLOAT[,FLOAT...]",
+    "log_level": "LEVEL",
+    "tls_required": "BOOL|tcp-https",
+    "tls_min_version": "VERSION",
+}
+
+
+def _arg_type(kind: str):
+    """The kind's parser, with our messages passed through argparse intact."""
+    parse = STRING_PARSERS[kind]
+
+    def convert(text: str) -> object:
+        try:
+            return parse(text)
+        except OptionsError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = kind  # argparse names it in "invalid int value" errors
+    return convert
+
+
+def _show_default(kind: str, value: object) -> str:
+    """A default as a user would type it."""
+    if kind == "duration":
+        return format_duration(value)
+    if kind == "bool":
+        return str(value).lower()
+    if kind == "tls_required":
+        return {0: "false", 1: "tcp-https", 2: "true"}[value]
+    if kind == "tls_min_version":
+        return next(name for name, number in TLS_VERSIONS.items() if number == value)
+    if isinstance(value, list):
+        return ",".join(map(str, value)) or "none"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return str(value)
+
+
+class _PercentilesAction(argparse.Action):
+    """Accumulates repeated and comma separated values, highest first as nsqd keeps them."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        collected = [*getattr(namespace, self.dest, []), *values]
+        setattr(namespace, self.dest, sorted(collected, reverse=True))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One flag per Options field; flags not given stay out of the namespace."""
+    defaults = Options()
+    parser = argparse.ArgumentParser(
+        prog="nsqd",
+        usage="%(prog)s [--flag=value ...]",
+        description="A realtime distributed messaging daemon speaking the NSQ protocol.",
+        argument_default=argparse.SUPPRESS,
+        allow_abbrev=False,
+    )
+    parser.add_argument("--version", action="version", version=version_string())
+    for name, spec in OPTION_SPECS.items():
+        shown = _show_default(spec.kind, getattr(defaults, name))
+        kwargs = {
+            "dest": name,
+            "type": _arg_type(spec.kind),
+            "metavar": _METAVARS.get(spec.kind, "VALUE"),
+            "help": f"{spec.help} (default {shown})".replace("%", "%%"),
+        }
+        if spec.kind == "bool":
+            kwargs.update(nargs="?", const=True)
+        elif spec.kind == "tls_required":
+            kwargs.update(nargs="?", const=TLS_REQUIRED)
+        elif spec.kind == "strs":
+            kwargs.update(action="append")
+        elif spec.kind == "floats":
+            kwargs.update(action=_PercentilesAction)
+        parser.add_argument("--" + spec.flag, **kwargs)
+    return parser
+
+
+def _double_dash(argv: Sequence[str]) -> list[str]:
+    """Go's flag package also takes -name for --name; argparse needs the long form."""
+    out = []
+    for index, arg in enumerate(argv):
+        if arg == "--":
+            return out + list(argv[index:])
+        if len(arg) > 2 and arg[0] == "-" and arg[1].isalpha():
+            arg = "-" + arg
+        out.append(arg)
+    return out
+
+
+def parse_args(argv: Sequence[str]) -> Options:
+    """Flags beat the config file, which beats the defaults; exits 2 on bad input."""
+    parser = build_parser()
+    given = vars(parser.parse_args(_double_dash(argv)))
+    try:
+        from_file = load_config(given["config"]) if given.get("config") else {}
+        options = Options(**(from_file | given))
+        options.validate()
+    except OptionsError as exc:
+        parser.error(str(exc))
+    return options
+
+
+_LOG_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warn": logging.WARNING,
+    "error": logging.ERROR,
+    "fatal": logging.CRITICAL,
+}
+
+
+class _NamedLogger(structlog.WriteLogger):
+    """A stderr logger carrying the name given to structlog.get_logger()."""
+
+    def __init__(self, name: str = "nsqd") -> None:
+        super().__init__(sys.stderr)
+        self.name = name
+
+
+def _with_prefix(prefix: str, render):
+    def processor(logger, method_name, event_dict):
+        return prefix + render(logger, method_name, event_dict)
+
+    return processor
+
+
+def configure_logging(options: Options) -> None:
+    """Send structlog output to stderr at the configured level and format.
+
+    Loggers are not cached, so calling this again (after PUT
+    /config/log_level) changes the level of every logger at once.
+    """
+    processors = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    if options.log_format == "json":
+        processors += [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
+    else:
+        processors.append(_with_prefix(options.log_prefix, structlog.dev.ConsoleRenderer(colors=False)))
+    structlog.configure(
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(_LOG_LEVELS[options.log_level]),
+        logger_factory=_NamedLogger,
+        cache_logger_on_first_use=False,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    options = parse_args(sys.argv[1:] if argv is None else argv)
+    configure_logging(options)
+    from nsqd.nsqd import run  # late: parsing flags must not need the daemon
+
+    sys.exit(run(options))
