@@ -1,0 +1,144 @@
+"""The message, held as its encoded wire frame.
+
+A message lives its whole life as one immutable ``bytes`` object: the complete
+NSQ message frame ``size(4) | type=2(4) | ts(8) | attempts(2) | id(16) | body``.
+It is encoded once at publish; only a redelivery re-encodes it (to bump the
+attempts field). Channels share the same frame objects, so fan-out copies
+nothing and there is no Python object per message on the hot path.
+
+The disk record payload (see docs/diskq-format.md) is
+``ext_len(2) | ext | ts(8) | attempts(2) | id(16) | body``: the wire message
+behind a small extension block of TLV fields (due time, failed deliveries,
+room for more) so the format can grow without a break.
+"""
+
+from __future__ import annotations
+
+import struct
+
+FRAME_TYPE_RESPONSE = 0
+FRAME_TYPE_ERROR = 1
+FRAME_TYPE_MESSAGE = 2
+
+MSG_ID_LENGTH = 16
+#: bytes of a message frame before the body
+FRAME_OVERHEAD = 8 + 8 + 2 + MSG_ID_LENGTH
+#: the size field counts everything after itself
+_SIZE_OVERHEAD = FRAME_OVERHEAD - 4
+
+_HEADER = struct.Struct(">iiqH")
+_ATTEMPTS = struct.Struct(">H")
+_FRAME_HEAD = struct.Struct(">ii")
+_EXT_LEN = struct.Struct(">H")
+_TLV_HEAD = struct.Struct(">BB")
+_U64 = struct.Struct(">Q")
+
+EXT_DUE_NS = 1
+EXT_FAILED = 2
+_NO_EXT = b"\x00\x00"
+
+
+def encode_header(body_len: int, timestamp_ns: int, attempts: int = 1) -> bytes:
+    """The 26 bytes in front of a message's id and body."""
+    return _HEADER.pack(body_len + _SIZE_OVERHEAD, FRAME_TYPE_MESSAGE, timestamp_ns, attempts)
+
+
+def encode_frame(msg_id: bytes, body: bytes, timestamp_ns: int, attempts: int = 1) -> bytes:
+    return b"".join((encode_header(len(body), timestamp_ns, attempts), msg_id, body))
+
+
+def encode_response(data: bytes) -> bytes:
+    return _FRAME_HEAD.pack(len(data) + 4, FRAME_TYPE_RESPONSE) + data
+
+
+def encode_error(data: bytes) -> bytes:
+    return _FRAME_HEAD.pack(len(data) + 4, FRAME_TYPE_ERROR) + data
+
+
+def frame_id(frame: bytes) -> bytes:
+    return frame[18:34]
+
+
+def frame_attempts(frame: bytes) -> int:
+    return _ATTEMPTS.unpack_from(frame, 16)[0]
+
+
+def frame_timestamp(frame: bytes) -> int:
+    return struct.unpack_from(">q", frame, 8)[0]
+
+
+def frame_body(frame: bytes) -> bytes:
+    return frame[FRAME_OVERHEAD:]
+
+
+def with_attempts(frame: bytes, attempts: int) -> bytes:
+    """The same message with a new attempts count (saturating at 65535)."""
+    return b"".join((frame[:16], _ATTEMPTS.pack(min(attempts, 0xFFFF)), frame[18:]))
+
+
+def next_attempt(frame: bytes) -> bytes:
+    """The frame to store for a message going back to the queue after a delivery."""
+    return with_attempts(frame, frame_attempts(frame) + 1)
+
+
+def to_disk(frame: bytes, due_ns: int = 0, failed: int = 0) -> bytes:
+    """Disk record payload for a frame; plain messages carry an empty extension."""
+    if not due_ns and not failed:
+        return _NO_EXT + frame[8:]
+    ext = b""
+    if due_ns:
+        ext += _TLV_HEAD.pack(EXT_DUE_NS, 8) + _U64.pack(due_ns)
+    if failed:
+        ext += _TLV_HEAD.pack(EXT_FAILED, 2) + _ATTEMPTS.pack(min(failed, 0xFFFF))
+    return b"".join((_EXT_LEN.pack(len(ext)), ext, frame[8:]))
+
+
+def frames_to_disk(frames: list[bytes]) -> list[bytes]:
+    """Bulk form of :func:`to_disk` for plain messages (the spill path)."""
+    return [_NO_EXT + f[8:] for f in frames]
+
+
+class BadRecord(ValueError):
+    """A disk payload that does not decode as a message."""
+
+
+def from_disk(payload: bytes) -> tuple[bytes, int, int]:
+    """Decode a disk payload into ``(frame, due_ns, failed)``.
+
+    Unknown extension fields are skipped, so older code reads newer records.
+    """
+    if len(payload) < 2:
+        raise BadRecord("record shorter than its extension length")
+    ext_len = _EXT_LEN.unpack_from(payload, 0)[0]
+    start = 2 + ext_len
+    if len(payload) < start + FRAME_OVERHEAD - 8:
+        raise BadRecord("record shorter than a message header")
+    due_ns = failed = 0
+    pos = 2
+    while pos < start:
+        if pos + 2 > start:
+            raise BadRecord("truncated extension field")
+        kind, size = _TLV_HEAD.unpack_from(payload, pos)
+        pos += 2
+        if pos + size > start:
+            raise BadRecord("extension field overruns its block")
+        if kind == EXT_DUE_NS and size == 8:
+            due_ns = _U64.unpack_from(payload, pos)[0]
+        elif kind == EXT_FAILED and size == 2:
+            failed = _ATTEMPTS.unpack_from(payload, pos)[0]
+        pos += size
+    body_len = len(payload) - start - (FRAME_OVERHEAD - 8)
+    frame = _FRAME_HEAD.pack(body_len + _SIZE_OVERHEAD, FRAME_TYPE_MESSAGE) + payload[start:]
+    return frame, due_ns, failed
+
+
+def from_go_message(data: bytes) -> bytes:
+    """A frame from a Go nsqd message record (``ts | attempts | id | body``)."""
+    if len(data) < FRAME_OVERHEAD - 8:
+        raise BadRecord("Go message shorter than its header")
+    return _FRAME_HEAD.pack(len(data) + 4, FRAME_TYPE_MESSAGE) + data
+
+
+def from_disk_plain(payload: bytes) -> bytes:
+    """Fast path of :func:`from_disk` for a payload with an empty extension block."""
+    return _FRAME_HEAD.pack(len(payload) + 2, FRAME_TYPE_MESSAGE) + payload[2:]

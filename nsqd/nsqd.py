@@ -1,0 +1,382 @@
+"""The daemon: owns the topics, runs the listeners and loops, persists state.
+
+Lifecycle (one nursery tree, nothing fire-and-forget)::
+
+    serve()
+      queues nursery ........ disk queue background tasks (outlives the rest)
+        load metadata, import a Go nsqd data directory if one is there
+        services nursery .... TCP accept, HTTP, queue scan, backlog mover,
+                               metadata writer, connections
+      shutdown: cancel services (stop accepting, connections end and requeue
+      their in-flight messages), then write every queued, in-flight and
+      deferred message to disk, close the disk queues, save metadata.
+
+Metadata is ``nsqd.dat`` in the data path, the same JSON Go nsqd writes, so
+either daemon can read the other's; it is saved atomically (temp file, fsync,
+rename) after every change to the set of topics and channels or a pause.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections import deque
+from pathlib import Path
+
+import structlog
+import trio
+
+from . import diskq, message
+from .diskq import goimport
+from .channel import Channel
+from .client_v2 import ClientV2
+from .guid import GUIDFactory
+from .options import Options, split_host_port
+from .topic import Topic
+from .version import NSQD_VERSION
+
+log = structlog.get_logger("nsqd")
+
+METADATA_FILE = "nsqd.dat"
+
+
+class NSQD:
+    def __init__(self, options: Options) -> None:
+        self.options = options
+        self.data_path = Path(options.data_path)
+        self.topics: dict[str, Topic] = {}
+        self.clients: dict[int, ClientV2] = {}
+        self.guid = GUIDFactory(options.node_id)
+        self.start_time = time.time()
+        self.tcp_addresses: list[tuple[str, int]] = []
+        self.http_addresses: list[tuple[str, int]] = []
+        self.connections_nursery: trio.Nursery | None = None
+        self.health = "OK"
+        #: bumped whenever a topic or channel appears or goes (the scan loop refreshes)
+        self.channels_version = 0
+        self._client_seq = 0
+        self._wall0 = time.time_ns()
+        self._clock0: float | None = None
+        self._queues_nursery: trio.Nursery | None = None
+        self._backend_scopes: dict[int, trio.CancelScope] = {}
+        self._backlog: deque[Topic] = deque()
+        self._backlog_lot = trio.lowlevel.ParkingLot()
+        self._metadata_dirty = trio.Event()
+        self._loading = False
+        self._shutdown = trio.Event()
+        self.ready = trio.Event()
+
+    # --------------------------------------------------------------- time
+    def now_ns(self) -> int:
+        """Wall-clock nanoseconds that follow Trio's clock (so tests can jump time)."""
+        if self._clock0 is None:
+            return time.time_ns()
+        return self._wall0 + int((trio.current_time() - self._clock0) * 1e9)
+
+    # ------------------------------------------------------------ clients
+    def new_client_id(self) -> int:
+        self._client_seq += 1
+        return self._client_seq
+
+    def add_client(self, client: ClientV2) -> None:
+        self.clients[client.id] = client
+
+    def remove_client(self, client: ClientV2) -> None:
+        self.clients.pop(client.id, None)
+        if client.channel is not None:
+            client.channel.remove_consumer(client.id)
+
+    # ------------------------------------------------------------- topics
+    def get_topic(self, name: str) -> Topic:
+        topic = self.topics.get(name)
+        if topic is None:
+            if self._shutdown.is_set():
+                raise RuntimeError("exiting")
+            topic = Topic(
+                name,
+                mem_queue_size=self.options.mem_queue_size,
+                backend=None if name.endswith("#ephemeral") else self.open_backend(name),
+                open_channel_backend=self._open_channel_backend,
+                on_channels_changed=self._topic_changed,
+                on_backlog=self._schedule_backlog,
+                on_last_channel_gone=self._ephemeral_topic_gone,
+            )
+            self.topics[name] = topic
+            log.info("TOPIC created", topic=name)
+            self._topic_changed(topic)
+        return topic
+
+    def get_existing_topic(self, name: str) -> Topic | None:
+        return self.topics.get(name)
+
+    def delete_topic(self, name: str) -> None:
+        topic = self.topics.pop(name)
+        topic.exiting = True
+        for channel_name in list(topic.channels):
+            self._close_consumers(topic.channels[channel_name])
+            topic.delete_channel(channel_name)
+        if topic.backend is not None:
+            self.close_backend(topic.backend, delete=True)
+        log.info("TOPIC deleted", topic=name)
+        self._topic_changed(topic)
+
+    def delete_channel(self, topic: Topic, name: str) -> None:
+        channel = topic.channels[name]
+        self._close_consumers(channel)
+        topic.delete_channel(name)
+        log.info("CHANNEL deleted", topic=topic.name, channel=name)
+
+    @staticmethod
+    def _close_consumers(channel: Channel) -> None:
+        for consumer in list(channel.consumers.values()):
+            consumer.close()
+
+    def channels(self) -> list[Channel]:
+        return [c for t in self.topics.values() for c in t.channels.values()]
+
+    def _ephemeral_topic_gone(self, topic: Topic) -> None:
+        if self.topics.get(topic.name) is topic:
+            self.delete_topic(topic.name)
+
+    def _topic_changed(self, topic: Topic) -> None:
+        self.channels_version += 1
+        self.persist_metadata_soon()
+
+    def _schedule_backlog(self, topic: Topic) -> None:
+        if topic not in self._backlog:
+            self._backlog.append(topic)
+            self._backlog_lot.unpark_all()
+
+    # ------------------------------------------------------- disk queues
+    def _disk_queue_options(self) -> dict:
+        opts = self.options
+        return dict(
+            max_bytes_per_file=opts.max_bytes_per_file,
+            min_msg_size=2 + message.FRAME_OVERHEAD - 8,
+            max_msg_size=opts.max_msg_size + message.FRAME_OVERHEAD + 64,
+            sync_every=opts.sync_every,
+            sync_timeout=opts.sync_timeout,
+        )
+
+    def open_backend(self, queue_name: str) -> diskq.DiskQueue:
+        backend = diskq.DiskQueue(queue_name, self.data_path, **self._disk_queue_options())
+        self._import_go_queue(queue_name, backend)
+        if self._queues_nursery is not None:
+            self._queues_nursery.start_soon(self._run_backend, backend)
+        return backend
+
+    def _open_channel_backend(self, topic_name: str, channel_name: str) -> diskq.DiskQueue | None:
+        if channel_name.endswith("#ephemeral"):
+            return None
+        return self.open_backend(f"{topic_name}:{channel_name}")
+
+    async def _run_backend(self, backend: diskq.DiskQueue) -> None:
+        with trio.CancelScope() as scope:
+            self._backend_scopes[id(backend)] = scope
+            try:
+                await backend.run()
+            finally:
+                self._backend_scopes.pop(id(backend), None)
+
+    def close_backend(self, backend: diskq.DiskQueue, delete: bool = False) -> None:
+        scope = self._backend_scopes.pop(id(backend), None)
+        if scope is not None:
+            scope.cancel()
+        if delete:
+            backend.delete()
+        else:
+            backend.close()
+
+    def _import_go_queue(self, queue_name: str, backend: diskq.DiskQueue) -> None:
+        """Take over the backlog a Go nsqd left for this queue, then remove its files."""
+        if not goimport.go_queue_exists(queue_name, self.data_path):
+            return
+        imported = 0
+        batch: list[bytes] = []
+        for data in goimport.iter_go_queue(queue_name, self.data_path,
+                                                 max_msg_size=self.options.max_msg_size + 64):
+            batch.append(b"\x00\x00" + data)
+            if len(batch) >= 1000:
+                backend.put_many(batch)
+                imported += len(batch)
+                batch = []
+        if batch:
+            backend.put_many(batch)
+            imported += len(batch)
+        backend.close()  # fsync before the Go files go away
+        goimport.remove_go_queue(queue_name, self.data_path)
+        log.info("imported Go nsqd queue", queue=queue_name, messages=imported)
+
+    # ------------------------------------------------------------ metadata
+    def metadata(self) -> dict:
+        topics = []
+        for topic in sorted(self.topics.values(), key=lambda t: t.name):
+            if topic.ephemeral:
+                continue
+            channels = [
+                {"name": c.name, "paused": c.paused}
+                for c in sorted(topic.channels.values(), key=lambda c: c.name)
+                if not c.ephemeral
+            ]
+            topics.append({"channels": channels, "name": topic.name, "paused": topic.paused})
+        return {"topics": topics, "version": NSQD_VERSION, "last_message_id": self.guid.last}
+
+    def persist_metadata_soon(self) -> None:
+        if not self._loading:
+            self._metadata_dirty.set()
+
+    def save_metadata(self) -> None:
+        self.data_path.mkdir(parents=True, exist_ok=True)
+        path = self.data_path / METADATA_FILE
+        tmp = path.with_name(f"{METADATA_FILE}.{os.getpid()}.tmp")
+        data = json.dumps(self.metadata(), separators=(",", ":")).encode()
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(self.data_path, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def load_metadata(self) -> None:
+        path = self.data_path / METADATA_FILE
+        if not path.exists():
+            return
+        try:
+            data = json.loads(path.read_bytes())
+        except ValueError as exc:
+            raise RuntimeError(f"failed to parse metadata {path}: {exc}") from None
+        self.guid = GUIDFactory(self.options.node_id, floor=int(data.get("last_message_id", 0)) + 1)
+        self._loading = True
+        try:
+            for t in data.get("topics") or []:
+                topic = self.get_topic(t["name"])
+                for c in t.get("channels") or []:
+                    channel = topic.get_channel(c["name"])
+                    if c.get("paused"):
+                        channel.pause()
+                if t.get("paused"):
+                    topic.pause()
+        finally:
+            self._loading = False
+        log.info("metadata loaded", topics=len(self.topics), channels=len(self.channels()))
+
+    async def _metadata_writer(self) -> None:
+        while True:
+            await self._metadata_dirty.wait()
+            self._metadata_dirty = trio.Event()
+            await trio.to_thread.run_sync(self.save_metadata)
+            await trio.sleep(0.05)  # coalesce bursts of changes
+
+    # ------------------------------------------------------------- loops
+    async def _backlog_mover(self) -> None:
+        """Hand topics' disk backlogs to their channels in bounded steps."""
+        while True:
+            while not self._backlog:
+                await self._backlog_lot.park()
+            topic = self._backlog.popleft()
+            if topic.exiting:
+                continue
+            if topic.move_backlog():
+                self._backlog.append(topic)
+            await trio.sleep(0)
+
+    async def _run_connections(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self.connections_nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    # ------------------------------------------------------------ lifecycle
+    def request_shutdown(self) -> None:
+        self._shutdown.set()
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        from .queue_scan import queue_scan_loop
+        from .tcp import serve_tcp
+
+        self._clock0 = trio.current_time()
+        self._wall0 = time.time_ns()
+        self.data_path.mkdir(parents=True, exist_ok=True)
+        async with trio.open_nursery() as queues:
+            self._queues_nursery = queues
+            try:
+                self.load_metadata()
+                async with trio.open_nursery() as services:
+                    await services.start(self._run_connections)
+                    host, port = split_host_port(self.options.tcp_address)
+                    tcp_listeners = await trio.open_tcp_listeners(port, host=host or None)
+                    self.tcp_addresses = [l.socket.getsockname()[:2] for l in tcp_listeners]
+                    await services.start(serve_tcp, self, tcp_listeners)
+                    if self.options.http_address:
+                        from .http_api import serve_http
+
+                        self.http_addresses = await services.start(serve_http, self, self.options.http_address)
+                    services.start_soon(queue_scan_loop, self)
+                    services.start_soon(self._backlog_mover)
+                    services.start_soon(self._metadata_writer)
+                    for topic in self.topics.values():
+                        if topic.channels and topic.backend_depth:
+                            self._schedule_backlog(topic)
+                    log.info("nsqd listening", tcp=self.tcp_addresses, http=self.http_addresses,
+                             data_path=str(self.data_path))
+                    self.ready.set()
+                    task_status.started(self)
+                    await self._shutdown.wait()
+                    log.info("shutting down")
+                    services.cancel_scope.cancel()
+            finally:
+                with trio.CancelScope(shield=True):
+                    self._persist()
+                queues.cancel_scope.cancel()
+
+    def _persist(self) -> None:
+        """Write everything held in memory to the disk queues, close them, save metadata."""
+        saved = 0
+        for topic in list(self.topics.values()):
+            for channel in list(topic.channels.values()):
+                if channel.backend is None:
+                    continue
+                payloads = list(channel.persistable())
+                if payloads:
+                    channel.backend.put_many(payloads)
+                    saved += len(payloads)
+                self.close_backend(channel.backend)
+            if topic.backend is not None:
+                payloads = list(topic.persistable())
+                if payloads:
+                    topic.backend.put_many(payloads)
+                    saved += len(payloads)
+                self.close_backend(topic.backend)
+        self.save_metadata()
+        log.info("state persisted", messages=saved)
+
+
+def run(options: Options) -> int:
+    """Run the daemon until SIGINT or SIGTERM; returns the exit status."""
+
+    async def main() -> None:
+        nsqd = NSQD(options)
+        async with trio.open_nursery() as nursery:
+            async def on_signals() -> None:
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for signum in signals:
+                        log.info("signal received", signal=signal.Signals(signum).name)
+                        nsqd.request_shutdown()
+                        return
+
+            nursery.start_soon(on_signals)
+            await nsqd.serve()
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    except OSError as exc:
+        log.error("failed to start", error=str(exc))
+        return 1
+    return 0

@@ -1,0 +1,522 @@
+"""NSQ protocol V2: a sans-I/O parser and the command handlers.
+
+:class:`V2Parser` turns bytes into commands and nothing else: it buffers
+partial input, parses every complete command per call, enforces the line and
+body size limits before a body is buffered, and merges runs of well-formed
+``FIN <id>`` lines into one batch command so a consumer's stream of FINs costs
+one ``dict.pop`` each. :class:`ProtocolV2` executes commands for one client
+against the daemon, appending response, error and message frames to the
+client's output list. Neither touches a socket or the event loop; the I/O
+layer (``nsqd.tcp``) only moves bytes.
+
+Errors mirror nsqd: the frame text is ``"<CODE> <description>"``, and fatal
+errors end the connection after the error frame is written.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import TYPE_CHECKING
+
+import structlog
+
+from . import message
+from .channel import ChannelExiting
+from .client_v2 import STATE_CLOSING, STATE_INIT, STATE_SUBSCRIBED, ClientV2
+from .names import is_valid_channel_name, is_valid_topic_name
+from .version import NSQD_VERSION
+
+if TYPE_CHECKING:
+    from .nsqd import NSQD
+
+log = structlog.get_logger("nsqd.protocol")
+
+MAGIC_V2 = b"  V2"
+#: longest command line accepted (nsqd's read buffer)
+MAX_LINE = 16 * 1024
+
+FIN_BATCH = b"FIN*"
+PARSE_ERROR = b"!ERR"
+_BODY_COMMANDS = frozenset((b"PUB", b"MPUB", b"DPUB", b"IDENTIFY", b"AUTH"))
+_U32 = struct.Struct(">I")
+_I32 = struct.Struct(">i")
+_OK = message.encode_response(b"OK")
+_CLOSE_WAIT = message.encode_response(b"CLOSE_WAIT")
+HEARTBEAT = message.encode_response(b"_heartbeat_")
+
+
+class ClientError(Exception):
+    """A command failed; ``fatal`` errors close the connection (nsqd's FatalClientErr)."""
+
+    def __init__(self, code: str, desc: str, fatal: bool = True) -> None:
+        super().__init__(f"{code} {desc}")
+        self.code = code
+        self.desc = desc
+        self.fatal = fatal
+
+
+class V2Parser:
+    """Bytes in, commands out: ``(name, params, body)`` tuples.
+
+    ``FIN_BATCH`` commands carry a list of message ids as params. A framing
+    problem (oversized line or body, bad size) yields one ``PARSE_ERROR``
+    command whose params are ``[code, description]``; nothing is parsed after it.
+    """
+
+    def __init__(self, max_msg_size: int, max_body_size: int) -> None:
+        self.max_msg_size = max_msg_size
+        self.max_body_size = max_body_size
+        self._buf = bytearray()
+        self._failed = False
+
+    def receive_data(self, data: bytes) -> None:
+        self._buf += data
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)
+
+    def commands(self) -> list[tuple[bytes, list, bytes | None]]:
+        buf = self._buf
+        if self._failed or not buf:
+            return []
+        out: list[tuple[bytes, list, bytes | None]] = []
+        fins: list[bytes] | None = None
+        pos = 0
+        end = len(buf)
+        find = buf.find
+        while pos < end:
+            # fast path: "FIN <16-byte id>\n"
+            if buf[pos] == 70 and pos + 20 < end and buf[pos + 20] == 10 and buf[pos:pos + 4] == b"FIN ":
+                if fins is None:
+                    fins = []
+                    out.append((FIN_BATCH, fins, None))
+                fins.append(bytes(buf[pos + 4:pos + 20]))
+                pos += 21
+                continue
+            nl = find(b"\n", pos)
+            if nl < 0:
+                if end - pos > MAX_LINE:
+                    out.append(self._fail("E_INVALID", f"command line longer than {MAX_LINE} bytes"))
+                break
+            line = bytes(buf[pos:nl])
+            if line.endswith(b"\r"):
+                line = line[:-1]
+            params = line.split(b" ")
+            name = params[0]
+            if name in _BODY_COMMANDS:
+                if nl + 5 > end:
+                    break
+                size = _I32.unpack_from(buf, nl + 1)[0]
+                problem = self._check_body_size(name, size)
+                if problem is not None:
+                    out.append(self._fail(*problem))
+                    break
+                body_start = nl + 5
+                if body_start + size > end:
+                    break
+                out.append((name, params, bytes(buf[body_start:body_start + size])))
+                pos = body_start + size
+            else:
+                out.append((name, params, None))
+                pos = nl + 1
+            fins = None
+        del buf[:pos]
+        return out
+
+    def _check_body_size(self, name: bytes, size: int) -> tuple[str, str] | None:
+        cmd = name.decode()
+        if name in (b"PUB", b"DPUB"):
+            if size <= 0:
+                return "E_BAD_MESSAGE", f"{cmd} invalid message body size {size}"
+            if size > self.max_msg_size:
+                return "E_BAD_MESSAGE", f"{cmd} message too big {size} > {self.max_msg_size}"
+            return None
+        if size > self.max_body_size:
+            return "E_BAD_BODY", f"{cmd} body too big {size} > {self.max_body_size}"
+        if size <= 0:
+            return "E_BAD_BODY", f"{cmd} invalid body size {size}"
+        return None
+
+    def _fail(self, code: str, desc: str) -> tuple[bytes, list, None]:
+        self._failed = True
+        self._buf.clear()
+        return (PARSE_ERROR, [code, desc], None)
+
+
+class ProtocolV2:
+    """Runs parsed commands for one client against the daemon."""
+
+    def __init__(self, nsqd: NSQD, client: ClientV2) -> None:
+        self.nsqd = nsqd
+        self.client = client
+        opts = nsqd.options
+        self.parser = V2Parser(opts.max_msg_size, opts.max_body_size)
+        self.closed = False
+        self._handlers = {
+            b"IDENTIFY": self.IDENTIFY, b"SUB": self.SUB, b"RDY": self.RDY, b"FIN": self.FIN,
+            b"REQ": self.REQ, b"TOUCH": self.TOUCH, b"PUB": self.PUB, b"MPUB": self.MPUB,
+            b"DPUB": self.DPUB, b"NOP": self.NOP, b"CLS": self.CLS, b"AUTH": self.AUTH,
+        }
+
+    def receive_data(self, data: bytes, now_ns: int) -> None:
+        """Parse and execute every complete command; set :attr:`closed` on a fatal error."""
+        self.parser.receive_data(data)
+        client = self.client
+        out = client.out
+        for name, params, body in self.parser.commands():
+            if name is FIN_BATCH:
+                self._fin_many(params)
+                if self.closed:
+                    return
+                continue
+            try:
+                if name is PARSE_ERROR:
+                    raise ClientError(*params)
+                handler = self._handlers.get(name)
+                if handler is None:
+                    raise ClientError("E_INVALID", f"invalid command {name.decode(errors='replace')}")
+                response = handler(params, body, now_ns)
+            except ClientError as err:
+                log.log(30 if err.fatal else 20, "client error", client=client.remote_address,
+                        error=str(err))
+                out.append(message.encode_error(str(err).encode()))
+                if err.fatal:
+                    self.closed = True
+                    return
+                continue
+            if response is not None:
+                out.append(response)
+
+    # ------------------------------------------------------------ helpers
+    def _require_state(self, cmd: str, *states: int) -> None:
+        if self.client.state not in states:
+            raise ClientError("E_INVALID", f"cannot {cmd} in current state")
+
+    @staticmethod
+    def _message_id(params: list[bytes], cmd: str, needed: int) -> bytes:
+        if len(params) < needed:
+            raise ClientError("E_INVALID", f"{cmd} insufficient number of params")
+        if len(params[1]) != message.MSG_ID_LENGTH:
+            raise ClientError("E_INVALID", "invalid message ID")
+        return params[1]
+
+    @staticmethod
+    def _base10(value: bytes, what: str) -> int:
+        """nsqd's ByteToBase10: digits only, the empty string is 0."""
+        if not value:
+            return 0
+        if not value.isdigit():
+            raise ClientError("E_INVALID", f"{what} {value.decode(errors='replace')}")
+        return int(value)
+
+    def _topic_name(self, params: list[bytes], cmd: str, needed: int) -> str:
+        if len(params) < needed:
+            raise ClientError("E_INVALID", f"{cmd} insufficient number of parameters")
+        name = params[1].decode(errors="replace")
+        if not is_valid_topic_name(name):
+            raise ClientError("E_BAD_TOPIC", f"{cmd} topic name {_go_quote(name)} is not valid")
+        return name
+
+    # ------------------------------------------------------------ commands
+    def IDENTIFY(self, params, body, now_ns):
+        client = self.client
+        self._require_state("IDENTIFY", STATE_INIT)
+        try:
+            data = json.loads(body)
+            if not isinstance(data, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            raise ClientError("E_BAD_BODY", "IDENTIFY failed to decode JSON body") from None
+        opts = self.nsqd.options
+        try:
+            _identify(client, data, opts)
+        except (ValueError, TypeError) as exc:
+            raise ClientError("E_BAD_BODY", f"IDENTIFY {exc}") from None
+        log.info("IDENTIFY", client=client.remote_address, client_id=client.client_id,
+                 user_agent=client.user_agent)
+        client.on_wake()  # the pump re-reads the heartbeat interval
+        if not client.feature_negotiation:
+            return _OK
+        return message.encode_response(json.dumps({
+            "max_rdy_count": opts.max_rdy_count,
+            "version": NSQD_VERSION,
+            "max_msg_timeout": int(opts.max_msg_timeout * 1000),
+            "msg_timeout": client.msg_timeout_ns // 1_000_000,
+            "tls_v1": False,
+            "deflate": False,
+            "deflate_level": min(6, opts.max_deflate_level),
+            "max_deflate_level": opts.max_deflate_level,
+            "snappy": False,
+            "sample_rate": client.sample_rate,
+            "auth_required": False,
+            "output_buffer_size": client.output_buffer_size,
+            "output_buffer_timeout": client.output_buffer_timeout_ns // 1_000_000,
+            "topology_region": "",
+            "topology_zone": "",
+        }, separators=(",", ":")).encode())
+
+    def AUTH(self, params, body, now_ns):
+        self._require_state("AUTH", STATE_INIT)
+        if len(params) != 1:
+            raise ClientError("E_INVALID", "AUTH invalid number of parameters")
+        raise ClientError("E_AUTH_DISABLED", "AUTH disabled")
+
+    def SUB(self, params, body, now_ns):
+        client = self.client
+        self._require_state("SUB", STATE_INIT)
+        if client.heartbeat_interval_ns <= 0:
+            raise ClientError("E_INVALID", "cannot SUB with heartbeats disabled")
+        if len(params) < 3:
+            raise ClientError("E_INVALID", "SUB insufficient number of parameters")
+        topic_name = self._topic_name(params, "SUB", 3)
+        channel_name = params[2].decode(errors="replace")
+        if not is_valid_channel_name(channel_name):
+            raise ClientError("E_BAD_CHANNEL", f"SUB channel name {_go_quote(channel_name)} is not valid")
+        try:
+            channel = self.nsqd.get_topic(topic_name).get_channel(channel_name)
+            channel.add_consumer(client.id, client, self.nsqd.options.max_channel_consumers)
+        except (ChannelExiting, ValueError) as exc:
+            raise ClientError("E_SUB_FAILED", f"SUB failed {exc}") from None
+        client.channel = channel
+        client.state = STATE_SUBSCRIBED
+        return _OK
+
+    def RDY(self, params, body, now_ns):
+        client = self.client
+        if client.state == STATE_CLOSING:
+            return None
+        self._require_state("RDY", STATE_SUBSCRIBED)
+        count = 1
+        if len(params) > 1:
+            count = self._base10(params[1], "RDY could not parse count")
+        max_rdy = self.nsqd.options.max_rdy_count
+        if count > max_rdy:
+            raise ClientError("E_INVALID", f"RDY count {count} out of range 0-{max_rdy}")
+        client.ready_count = count
+        return None
+
+    def FIN(self, params, body, now_ns):
+        self._require_state("FIN", STATE_SUBSCRIBED, STATE_CLOSING)
+        self._fin_many([self._message_id(params, "FIN", 2)])
+        return None
+
+    def _fin_many(self, ids: list[bytes]) -> None:
+        client = self.client
+        if client.state != STATE_SUBSCRIBED and client.state != STATE_CLOSING:
+            err = ClientError("E_INVALID", "cannot FIN in current state")
+            client.out.append(message.encode_error(str(err).encode()))
+            self.closed = True
+            return
+        pop = client.in_flight.map.pop
+        finished = 0
+        for msg_id in ids:
+            if pop(msg_id, None) is None:
+                reason = self._not_in_flight_reason(msg_id)
+                client.out.append(message.encode_error(
+                    f"E_FIN_FAILED FIN {msg_id.decode(errors='replace')} failed {reason}".encode()))
+            else:
+                finished += 1
+        client.finish_count += finished
+
+    def _not_in_flight_reason(self, msg_id: bytes) -> str:
+        channel = self.client.channel
+        if channel is not None:
+            for other in channel.consumers.values():
+                if msg_id in other.in_flight:
+                    return "client does not own message"
+        return "ID not in flight"
+
+    def REQ(self, params, body, now_ns):
+        client = self.client
+        self._require_state("REQ", STATE_SUBSCRIBED, STATE_CLOSING)
+        msg_id = self._message_id(params, "REQ", 3)
+        delay_ms = self._base10(params[2], "REQ could not parse timeout")
+        delay_ms = min(delay_ms, int(self.nsqd.options.max_req_timeout * 1000))
+        frame = client.in_flight.take(msg_id)
+        if frame is None:
+            reason = self._not_in_flight_reason(msg_id)
+            raise ClientError("E_REQ_FAILED", f"REQ {msg_id.decode(errors='replace')} failed {reason}",
+                              fatal=False)
+        client.channel.requeue(frame, delay_ms * 1_000_000, now_ns)
+        client.requeue_count += 1
+        return None
+
+    def TOUCH(self, params, body, now_ns):
+        client = self.client
+        self._require_state("TOUCH", STATE_SUBSCRIBED, STATE_CLOSING)
+        msg_id = self._message_id(params, "TOUCH", 2)
+        if not client.in_flight.touch(msg_id, now_ns, client.msg_timeout_ns, client.max_msg_timeout_ns):
+            reason = self._not_in_flight_reason(msg_id)
+            raise ClientError("E_TOUCH_FAILED", f"TOUCH {msg_id.decode(errors='replace')} failed {reason}",
+                              fatal=False)
+        return None
+
+    def CLS(self, params, body, now_ns):
+        self._require_state("CLS", STATE_SUBSCRIBED)
+        self.client.state = STATE_CLOSING
+        self.client.ready_count = 0
+        return _CLOSE_WAIT
+
+    def NOP(self, params, body, now_ns):
+        return None
+
+    def PUB(self, params, body, now_ns):
+        topic_name = self._topic_name(params, "PUB", 2)
+        msg_id = self.nsqd.guid.new_id()
+        frame = message.encode_frame(msg_id, body, now_ns)
+        self._publish(topic_name, "PUB", lambda t: t.put_chunk([msg_id], [frame], len(body)), 1)
+        return _OK
+
+    def DPUB(self, params, body, now_ns):
+        topic_name = self._topic_name(params, "DPUB", 3)
+        opts = self.nsqd.options
+        timeout_ms = self._base10(params[2], "DPUB could not parse timeout")
+        max_ms = int(opts.max_req_timeout * 1000)
+        if timeout_ms > max_ms:
+            raise ClientError("E_INVALID", f"DPUB timeout {timeout_ms} out of range 0-{max_ms}")
+        msg_id = self.nsqd.guid.new_id()
+        frame = message.encode_frame(msg_id, body, now_ns)
+        if timeout_ms:
+            due_ns = now_ns + timeout_ms * 1_000_000
+            self._publish(topic_name, "DPUB", lambda t: t.put_deferred(frame, due_ns), 1)
+        else:
+            self._publish(topic_name, "DPUB", lambda t: t.put_chunk([msg_id], [frame], len(body)), 1)
+        return _OK
+
+    def MPUB(self, params, body, now_ns):
+        topic_name = self._topic_name(params, "MPUB", 2)
+        ids, frames, nbytes = build_mpub(body, self.nsqd.guid, now_ns,
+                                         self.nsqd.options.max_msg_size, self.nsqd.options.max_body_size)
+        self._publish(topic_name, "MPUB", lambda t: t.put_chunk(ids, frames, nbytes), len(frames))
+        return _OK
+
+    def _publish(self, topic_name: str, cmd: str, put, count: int) -> None:
+        try:
+            topic = self.nsqd.get_topic(topic_name)
+            put(topic)
+        except Exception as exc:  # disk errors, exiting topics: the publisher must retry
+            if isinstance(exc, ClientError):
+                raise
+            log.error("publish failed", topic=topic_name, error=str(exc))
+            raise ClientError(f"E_{cmd}_FAILED", f"{cmd} failed {exc}") from None
+        counts = self.client.pub_counts
+        counts[topic_name] = counts.get(topic_name, 0) + count
+
+
+def build_mpub(body: bytes, guid, now_ns: int, max_msg_size: int, max_body_size: int):
+    """Decode an MPUB body into ``(ids, frames, body_bytes)``, validating it whole first.
+
+    One timestamp and one id batch per MPUB; a header is encoded once per
+    distinct body size.
+    """
+    if len(body) < 4:
+        raise ClientError("E_BAD_BODY", "MPUB failed to read message count")
+    count = _U32.unpack_from(body, 0)[0]
+    max_messages = (max_body_size - 4) // 5
+    if count <= 0 or count > max_messages or count > 0x7FFFFFFF:
+        raise ClientError("E_BAD_BODY", f"MPUB invalid message count {count}")
+    spans = []
+    pos = 4
+    end = len(body)
+    unpack = _I32.unpack_from
+    for i in range(count):
+        if pos + 4 > end:
+            raise ClientError("E_BAD_MESSAGE", f"MPUB failed to read message({i}) body size")
+        size = unpack(body, pos)[0]
+        if size <= 0:
+            raise ClientError("E_BAD_MESSAGE", f"MPUB invalid message({i}) body size {size}")
+        if size > max_msg_size:
+            raise ClientError("E_BAD_MESSAGE", f"MPUB message too big {size} > {max_msg_size}")
+        pos += 4
+        if pos + size > end:
+            raise ClientError("E_BAD_MESSAGE", "MPUB failed to read message body")
+        spans.append((pos, size))
+        pos += size
+    if pos != end:
+        raise ClientError("E_BAD_BODY", f"MPUB body has {end - pos} bytes after its {count} messages")
+    ids = guid.new_ids(count)
+    view = memoryview(body)
+    headers: dict[int, bytes] = {}
+    join = b"".join
+    frames = []
+    append = frames.append
+    for msg_id, (start, size) in zip(ids, spans):
+        header = headers.get(size)
+        if header is None:
+            header = headers[size] = message.encode_header(size, now_ns)
+        append(join((header, msg_id, view[start:start + size])))
+    return ids, frames, end - 4 - 4 * count
+
+
+def _identify(client: ClientV2, data: dict, opts) -> None:
+    """Apply IDENTIFY fields with nsqd's validation; raises ValueError naming the field."""
+    def integer(key: str) -> int:
+        value = data.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{key} must be a number")
+        return int(value)
+
+    for key in ("client_id", "hostname", "user_agent"):
+        value = data.get(key)
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"{key} must be a string")
+    if "short_id" in data and "client_id" not in data:  # pre-1.0 clients
+        data["client_id"] = str(data["short_id"])
+    if "long_id" in data and "hostname" not in data:
+        data["hostname"] = str(data["long_id"])
+    client.client_id = data.get("client_id") or client.client_id
+    client.hostname = data.get("hostname") or client.hostname
+    client.user_agent = data.get("user_agent") or ""
+    client.feature_negotiation = bool(data.get("feature_negotiation", False))
+
+    heartbeat = integer("heartbeat_interval")
+    max_hb_ms = int(opts.max_heartbeat_interval * 1000)
+    if heartbeat == -1:
+        client.heartbeat_interval_ns = 0
+    elif heartbeat == 0:
+        pass
+    elif 1000 <= heartbeat <= max_hb_ms:
+        client.heartbeat_interval_ns = heartbeat * 1_000_000
+    else:
+        raise ValueError(f"heartbeat interval ({heartbeat}) is invalid")
+
+    buf_timeout = integer("output_buffer_timeout")
+    if buf_timeout == -1:
+        client.output_buffer_timeout_ns = 0
+    elif buf_timeout == 0:
+        pass
+    elif int(opts.min_output_buffer_timeout * 1000) <= buf_timeout <= int(opts.max_output_buffer_timeout * 1000):
+        client.output_buffer_timeout_ns = buf_timeout * 1_000_000
+    else:
+        raise ValueError(f"output buffer timeout ({buf_timeout}) is invalid")
+
+    buf_size = integer("output_buffer_size")
+    if buf_size == -1:
+        client.output_buffer_size = 1
+        client.output_buffer_timeout_ns = 0
+    elif buf_size == 0:
+        pass
+    elif 64 <= buf_size <= opts.max_output_buffer_size:
+        client.output_buffer_size = buf_size
+    else:
+        raise ValueError(f"output buffer size ({buf_size}) is invalid")
+
+    sample_rate = integer("sample_rate")
+    if not 0 <= sample_rate <= 99:
+        raise ValueError(f"sample rate ({sample_rate}) is invalid")
+    client.sample_rate = sample_rate
+
+    msg_timeout = integer("msg_timeout")
+    if msg_timeout == 0:
+        pass
+    elif 1000 <= msg_timeout <= int(opts.max_msg_timeout * 1000):
+        client.msg_timeout_ns = msg_timeout * 1_000_000
+    else:
+        raise ValueError(f"msg timeout ({msg_timeout}) is invalid")
+
+
+def _go_quote(text: str) -> str:
+    """Go's %q for the names we echo back in errors."""
+    return json.dumps(text, ensure_ascii=False)

@@ -1,0 +1,202 @@
+"""The TCP listener and the per-connection I/O driver for protocol V2.
+
+Per connection two tasks share one nursery, as nsqd's IOLoop and
+messagePump: the reader receives up to 256 KiB, feeds the sans-I/O protocol
+(which parses and executes every complete command) and writes what that
+produced; the pump sleeps until the channel wakes it (messages arrived) or a
+heartbeat is due. Whichever task writes first fills from the channel and sends
+everything pending in one ``send_all``; the other never waits for a lock: the
+pump leaves the write to the active writer (which refills before it stops),
+the reader waits for it to finish before reading more, so a client that does
+not read back-pressures its own publishing and never grows our buffers.
+
+A client that sends nothing for two heartbeat intervals, or does not take our
+writes within one, is disconnected (nsqd's read and write deadlines).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import structlog
+import trio
+
+from . import message
+from .client_v2 import ClientV2
+from .protocol_v2 import HEARTBEAT, MAGIC_V2, ProtocolV2
+
+if TYPE_CHECKING:
+    from .nsqd import NSQD
+
+log = structlog.get_logger("nsqd.tcp")
+
+RECEIVE_SIZE = 256 * 1024
+#: time a new connection has to send the protocol magic
+MAGIC_TIMEOUT = 10.0
+_BAD_PROTOCOL = message.encode_error(b"E_BAD_PROTOCOL")
+
+
+async def serve_tcp(nsqd: NSQD, listeners, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Accept connections until cancelled; each runs in the handler nursery."""
+    async with trio.open_nursery() as nursery:
+        for listener in listeners:
+            nursery.start_soon(_accept_loop, nsqd, listener, nsqd.connections_nursery)
+        task_status.started()
+
+
+async def _accept_loop(nsqd: NSQD, listener: trio.SocketListener, handlers: trio.Nursery) -> None:
+    async with listener:
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:  # EMFILE and friends: back off, keep serving
+                log.error("accept failed", error=str(exc))
+                await trio.sleep(0.1)
+                continue
+            handlers.start_soon(handle_connection, nsqd, stream)
+
+
+async def handle_connection(nsqd: NSQD, stream: trio.SocketStream) -> None:
+    """Serve one connection; whatever goes wrong stays inside this connection."""
+    remote = _peer(stream)
+    try:
+        await _serve(nsqd, stream, remote)
+    except* (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, ConnectionError):
+        log.info("connection dropped", client=remote)
+    except* Exception as group:
+        log.error("connection failed", client=remote, exc_info=group)
+    finally:
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(1):
+                await stream.aclose()
+
+
+async def _serve(nsqd: NSQD, stream: trio.SocketStream, remote: str) -> None:
+    magic = None
+    with trio.move_on_after(MAGIC_TIMEOUT):
+        magic = await _receive_exactly(stream, 4)
+    if magic is None:
+        return
+    if magic[:4] != MAGIC_V2:
+        log.warning("bad protocol magic", client=remote, magic=magic[:4])
+        await stream.send_all(_BAD_PROTOCOL)
+        return
+    client = ClientV2(nsqd.new_client_id(), remote, nsqd.options, nsqd.now_ns())
+    connection = Connection(nsqd, stream, client)
+    nsqd.add_client(client)
+    try:
+        await connection.run(magic[4:])
+    finally:
+        nsqd.remove_client(client)
+
+
+async def _receive_exactly(stream: trio.SocketStream, n: int) -> bytes | None:
+    data = b""
+    while len(data) < n:
+        chunk = await stream.receive_some(RECEIVE_SIZE)
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+def _peer(stream: trio.SocketStream) -> str:
+    try:
+        host, port = stream.socket.getpeername()[:2]
+        return f"{host}:{port}"
+    except (OSError, ValueError):
+        return "unknown"
+
+
+class Connection:
+    def __init__(self, nsqd: NSQD, stream: trio.SocketStream, client: ClientV2) -> None:
+        self.nsqd = nsqd
+        self.stream = stream
+        self.client = client
+        self.protocol = ProtocolV2(nsqd, client)
+        self._lot = trio.lowlevel.ParkingLot()
+        self._sending = False
+        self._idle = trio.Event()
+        self._cancel_scope = trio.CancelScope()
+        client.on_wake = self._lot.unpark_all
+
+    async def run(self, initial: bytes) -> None:
+        log.info("client connected", client=self.client.remote_address, id=self.client.id)
+        try:
+            async with trio.open_nursery() as nursery:
+                self._cancel_scope = nursery.cancel_scope
+                nursery.start_soon(self._pump)
+                try:
+                    await self._read_loop(initial)
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            self.client.on_wake = _noop
+            log.info("client gone", client=self.client.remote_address, id=self.client.id)
+
+    async def _read_loop(self, data: bytes) -> None:
+        client = self.client
+        protocol = self.protocol
+        receive = self.stream.receive_some
+        while True:
+            if data:
+                protocol.receive_data(data, self.nsqd.now_ns())
+                await self._flush(wait=True)
+                if protocol.closed:
+                    return
+            hb = client.heartbeat_interval_ns
+            with trio.move_on_after(2 * hb / 1e9 if hb > 0 else math.inf) as scope:
+                data = await receive(RECEIVE_SIZE)
+            if scope.cancelled_caught:
+                log.warning("client missed heartbeats", client=client.remote_address)
+                return
+            if not data:
+                return
+
+    async def _pump(self) -> None:
+        client = self.client
+        last_heartbeat = trio.current_time()
+        while True:
+            hb = client.heartbeat_interval_ns / 1e9
+            if hb > 0:
+                with trio.move_on_at(last_heartbeat + hb):
+                    await self._lot.park()
+                now = trio.current_time()
+                if now >= last_heartbeat + hb:
+                    client.out.append(HEARTBEAT)
+                    last_heartbeat = now
+            else:
+                await self._lot.park()
+            if client.exit_requested:
+                self._cancel_scope.cancel()
+                return
+            await self._flush(wait=False)
+
+    async def _flush(self, wait: bool) -> None:
+        """Fill from the channel and write everything pending, one send per round."""
+        while self._sending:
+            if not wait:
+                return
+            await self._idle.wait()
+        self._sending = True
+        client = self.client
+        out = client.out
+        try:
+            while True:
+                client.fill(self.nsqd.now_ns())
+                if not out:
+                    return
+                data = b"".join(out)
+                out.clear()
+                hb = client.heartbeat_interval_ns
+                with trio.fail_after(hb / 1e9 if hb > 0 else math.inf):
+                    await self.stream.send_all(data)
+        finally:
+            self._sending = False
+            idle, self._idle = self._idle, trio.Event()
+            idle.set()
+
+
+def _noop() -> None:
+    return None

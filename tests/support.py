@@ -1,0 +1,148 @@
+"""Test support: run the real daemon in-process and talk NSQ V2 to it over TCP."""
+
+from __future__ import annotations
+
+import json
+import struct
+from contextlib import asynccontextmanager
+
+import trio
+
+from nsqd.nsqd import NSQD
+from nsqd.options import Options
+
+FRAME_RESPONSE, FRAME_ERROR, FRAME_MESSAGE = 0, 1, 2
+
+
+def make_options(data_path, **overrides) -> Options:
+    fields = dict(tcp_address="127.0.0.1:0", http_address="", data_path=str(data_path))
+    fields.update(overrides)
+    return Options(**fields)
+
+
+@asynccontextmanager
+async def running_nsqd(data_path, **overrides):
+    """The daemon serving on ephemeral loopback ports for the duration of the block."""
+    nsqd = NSQD(make_options(data_path, **overrides))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(nsqd.serve)
+        try:
+            yield nsqd
+        finally:
+            nsqd.request_shutdown()
+
+
+def tcp_port(nsqd: NSQD) -> int:
+    return nsqd.tcp_addresses[0][1]
+
+
+class Message:
+    def __init__(self, data: bytes) -> None:
+        self.timestamp, self.attempts = struct.unpack_from(">qH", data, 0)
+        self.id = data[10:26]
+        self.body = data[26:]
+
+
+class NSQConnection:
+    """A minimal, strict NSQ V2 client for tests: every frame is checked."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self._buf = bytearray()
+        self.heartbeats = 0
+
+    @classmethod
+    async def open(cls, port: int, magic: bytes = b"  V2") -> "NSQConnection":
+        conn = cls(await trio.open_tcp_stream("127.0.0.1", port))
+        if magic:
+            await conn.stream.send_all(magic)
+        return conn
+
+    async def close(self) -> None:
+        await self.stream.aclose()
+
+    async def send(self, data: bytes) -> None:
+        await self.stream.send_all(data)
+
+    async def command(self, line: str | bytes, body: bytes | None = None) -> None:
+        if isinstance(line, str):
+            line = line.encode()
+        data = line + b"\n"
+        if body is not None:
+            data += struct.pack(">i", len(body)) + body
+        await self.send(data)
+
+    async def read_frame(self, timeout: float = 5) -> tuple[int, bytes]:
+        with trio.fail_after(timeout):
+            while True:
+                if len(self._buf) >= 8:
+                    size, kind = struct.unpack_from(">ii", self._buf, 0)
+                    if len(self._buf) >= 4 + size:
+                        data = bytes(self._buf[8:4 + size])
+                        del self._buf[:4 + size]
+                        return kind, data
+                chunk = await self.stream.receive_some(65536)
+                if not chunk:
+                    raise EOFError("connection closed by the daemon")
+                self._buf += chunk
+
+    async def read_non_heartbeat(self, timeout: float = 5) -> tuple[int, bytes]:
+        while True:
+            kind, data = await self.read_frame(timeout)
+            if kind == FRAME_RESPONSE and data == b"_heartbeat_":
+                self.heartbeats += 1
+                await self.command("NOP")
+                continue
+            return kind, data
+
+    async def expect_response(self, expected: bytes = b"OK") -> None:
+        kind, data = await self.read_non_heartbeat()
+        assert (kind, data) == (FRAME_RESPONSE, expected)
+
+    async def expect_error(self, prefix: str) -> bytes:
+        kind, data = await self.read_non_heartbeat()
+        assert kind == FRAME_ERROR, (kind, data)
+        assert data.startswith(prefix.encode()), data
+        return data
+
+    async def read_message(self, timeout: float = 5) -> Message:
+        kind, data = await self.read_non_heartbeat(timeout)
+        assert kind == FRAME_MESSAGE, (kind, data)
+        return Message(data)
+
+    async def expect_closed(self, timeout: float = 5) -> None:
+        with trio.fail_after(timeout):
+            while True:
+                try:
+                    chunk = await self.stream.receive_some(65536)
+                except trio.BrokenResourceError:
+                    return
+                if not chunk:
+                    return
+
+    # ------------------------------------------------------------ verbs
+    async def identify(self, **fields) -> dict | bytes:
+        await self.command("IDENTIFY", json.dumps(fields).encode())
+        kind, data = await self.read_non_heartbeat()
+        assert kind == FRAME_RESPONSE, data
+        return json.loads(data) if data.startswith(b"{") else data
+
+    async def sub(self, topic: str, channel: str) -> None:
+        await self.command(f"SUB {topic} {channel}")
+        await self.expect_response()
+
+    async def pub(self, topic: str, body: bytes) -> None:
+        await self.command(f"PUB {topic}", body)
+        await self.expect_response()
+
+    async def mpub(self, topic: str, bodies: list[bytes]) -> None:
+        await self.command(f"MPUB {topic}", mpub_body(bodies))
+        await self.expect_response()
+
+    async def dpub(self, topic: str, delay_ms: int, body: bytes) -> None:
+        await self.command(f"DPUB {topic} {delay_ms}", body)
+        await self.expect_response()
+
+
+def mpub_body(bodies: list[bytes]) -> bytes:
+    return struct.pack(">i", len(bodies)) + b"".join(struct.pack(">i", len(b)) + b for b in bodies)

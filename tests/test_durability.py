@@ -1,0 +1,139 @@
+"""What survives a restart: orderly shutdown in-process and as a real subprocess."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import trio
+
+from .support import NSQConnection, running_nsqd, tcp_port
+
+
+async def drain(conn: NSQConnection, count: int, timeout: float = 5):
+    got = []
+    while len(got) < count:
+        msg = await conn.read_message(timeout)
+        got.append(msg)
+        await conn.command(b"FIN " + msg.id)
+    return got
+
+
+async def test_shutdown_persists_memory_in_flight_and_deferred(tmp_path):
+    async with running_nsqd(tmp_path) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.sub("t", "c")
+        await conn.mpub("t", [b"%d" % i for i in range(10)])
+        await conn.dpub("t", 60_000, b"deferred")
+        await conn.command("RDY 3")
+        in_flight = [await conn.read_message() for _ in range(3)]
+        nsqd.get_topic("t").get_channel("paused").pause()
+        nsqd.get_topic("idle")  # a topic with no channel keeps its own backlog
+        await conn.mpub("idle", [b"kept"])
+    async with running_nsqd(tmp_path) as nsqd:
+        topic = nsqd.topics["t"]
+        assert set(topic.channels) == {"c", "paused"}
+        assert topic.channels["paused"].paused
+        assert topic.channels["c"].depth == 11
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.sub("t", "c")
+        await conn.command("RDY 20")
+        got = await drain(conn, 10)
+        assert sorted(m.body for m in got) == sorted(b"%d" % i for i in range(10))
+        redelivered = {m.id: m.attempts for m in got if m.id in {f.id for f in in_flight}}
+        assert set(redelivered.values()) == {2}  # the in-flight ones count their delivery
+        channel = topic.channels["c"]
+        assert channel.deferred_count == 1  # still deferred: its due time survived
+        assert nsqd.topics["idle"].depth == 1
+
+
+async def test_deferred_due_time_survives_restart(tmp_path):
+    async with running_nsqd(tmp_path) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.sub("t", "c")
+        await conn.dpub("t", 1500, b"later")
+        start = time.time()
+    async with running_nsqd(tmp_path) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.sub("t", "c")
+        await conn.command("RDY 1")
+        msg = await conn.read_message(timeout=5)
+        assert msg.body == b"later"
+        assert time.time() - start >= 1.45
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Daemon:
+    """``python -m nsqd`` as a real subprocess."""
+
+    def __init__(self, data_path, *args):
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "nsqd", f"--tcp-address=127.0.0.1:{self.port}", "--http-address=",
+             f"--data-path={data_path}", "--log-level=warn", *args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    async def wait_ready(self) -> None:
+        with trio.fail_after(20):
+            while True:
+                assert self.proc.poll() is None, self.proc.stderr.read().decode()
+                try:
+                    stream = await trio.open_tcp_stream("127.0.0.1", self.port)
+                except OSError:
+                    await trio.sleep(0.05)
+                    continue
+                await stream.aclose()
+                return
+
+    async def stop(self, sig=signal.SIGTERM) -> int:
+        self.proc.send_signal(sig)
+        return await trio.to_thread.run_sync(self.proc.wait, 30)
+
+
+async def test_sigterm_persists_everything_in_a_subprocess(tmp_path):
+    daemon = Daemon(tmp_path)
+    await daemon.wait_ready()
+    conn = await NSQConnection.open(daemon.port)
+    await conn.sub("t", "c")
+    for i in range(20):
+        await conn.mpub("t", [b"%d-%d" % (i, j) for j in range(50)])
+    await conn.command("RDY 7")
+    [await conn.read_message() for _ in range(7)]
+    assert await daemon.stop() == 0
+
+    daemon = Daemon(tmp_path)
+    await daemon.wait_ready()
+    conn = await NSQConnection.open(daemon.port)
+    await conn.sub("t", "c")
+    await conn.command("RDY 200")
+    got = await drain(conn, 1000)
+    assert len({m.body for m in got}) == 1000
+    assert await daemon.stop() == 0
+
+
+async def test_sigkill_keeps_what_reached_the_disk_queue(tmp_path):
+    # mem-queue-size 0: every message goes straight to the disk queue, which the
+    # daemon flushes to the OS within sync-timeout; SIGKILL cannot lose those.
+    daemon = Daemon(tmp_path, "--mem-queue-size=0", "--sync-timeout=100ms")
+    await daemon.wait_ready()
+    conn = await NSQConnection.open(daemon.port)
+    await conn.sub("t", "c")
+    await conn.mpub("t", [b"%d" % i for i in range(500)])
+    await trio.sleep(1.0)
+    assert await daemon.stop(signal.SIGKILL) == -signal.SIGKILL
+
+    daemon = Daemon(tmp_path)
+    await daemon.wait_ready()
+    conn = await NSQConnection.open(daemon.port)
+    await conn.sub("t", "c")
+    await conn.command("RDY 100")
+    got = await drain(conn, 500)
+    assert sorted(m.body for m in got) == sorted(b"%d" % i for i in range(500))
+    assert await daemon.stop() == 0

@@ -1,0 +1,128 @@
+"""The sans-I/O V2 parser: bytes in, commands out, no sockets."""
+
+import struct
+
+import pytest
+from hypothesis import given, strategies as st
+
+from nsqd.protocol_v2 import FIN_BATCH, MAX_LINE, PARSE_ERROR, V2Parser
+
+MID = b"0123456789abcdef"
+
+
+def parse_all(data: bytes, max_msg=1024, max_body=4096, step=None):
+    parser = V2Parser(max_msg, max_body)
+    commands = []
+    if step is None:
+        parser.receive_data(data)
+        commands += parser.commands()
+    else:
+        for i in range(0, len(data), step):
+            parser.receive_data(data[i:i + step])
+            commands += parser.commands()
+    return parser, commands
+
+
+def flatten(commands):
+    """Expand FIN batches so results compare independently of batching."""
+    out = []
+    for name, params, body in commands:
+        if name is FIN_BATCH:
+            out += [(b"FIN", [b"FIN", i], None) for i in params]
+        else:
+            out.append((name, params, body))
+    return out
+
+
+def test_line_commands_and_crlf():
+    _, cmds = parse_all(b"NOP\nRDY 10\r\nSUB topic chan\n")
+    assert cmds == [(b"NOP", [b"NOP"], None), (b"RDY", [b"RDY", b"10"], None),
+                    (b"SUB", [b"SUB", b"topic", b"chan"], None)]
+
+
+def test_consecutive_fins_are_batched_in_order():
+    ids = [b"%016x" % i for i in range(5)]
+    data = b"".join(b"FIN " + i + b"\n" for i in ids[:3]) + b"RDY 1\n" + b"".join(
+        b"FIN " + i + b"\n" for i in ids[3:])
+    _, cmds = parse_all(data)
+    assert [c[0] for c in cmds] == [FIN_BATCH, b"RDY", FIN_BATCH]
+    assert cmds[0][1] == ids[:3] and cmds[2][1] == ids[3:]
+
+
+def test_malformed_fin_goes_through_the_generic_path():
+    _, cmds = parse_all(b"FIN short\nFIN\n")
+    assert cmds == [(b"FIN", [b"FIN", b"short"], None), (b"FIN", [b"FIN"], None)]
+
+
+def test_body_commands_wait_for_the_whole_body():
+    data = b"PUB t\n" + struct.pack(">i", 5) + b"hello" + b"NOP\n"
+    parser, cmds = parse_all(data[:-8])
+    assert cmds == []
+    parser.receive_data(data[-8:])
+    assert parser.commands() == [(b"PUB", [b"PUB", b"t"], b"hello"), (b"NOP", [b"NOP"], None)]
+    assert parser.buffered == 0
+
+
+def test_identify_body_and_mpub_body_are_raw():
+    mpub_body = struct.pack(">i", 1) + struct.pack(">i", 2) + b"hi"
+    data = (b"IDENTIFY\n" + struct.pack(">i", 2) + b"{}"
+            + b"MPUB t\n" + struct.pack(">i", len(mpub_body)) + mpub_body)
+    _, cmds = parse_all(data)
+    assert cmds == [(b"IDENTIFY", [b"IDENTIFY"], b"{}"), (b"MPUB", [b"MPUB", b"t"], mpub_body)]
+
+
+@pytest.mark.parametrize("cmd,size,code,text", [
+    (b"PUB t", 0, "E_BAD_MESSAGE", "PUB invalid message body size 0"),
+    (b"PUB t", -3, "E_BAD_MESSAGE", "PUB invalid message body size -3"),
+    (b"PUB t", 1025, "E_BAD_MESSAGE", "PUB message too big 1025 > 1024"),
+    (b"DPUB t 10", 2000, "E_BAD_MESSAGE", "DPUB message too big 2000 > 1024"),
+    (b"MPUB t", 4097, "E_BAD_BODY", "MPUB body too big 4097 > 4096"),
+    (b"MPUB t", 0, "E_BAD_BODY", "MPUB invalid body size 0"),
+    (b"IDENTIFY", 5000, "E_BAD_BODY", "IDENTIFY body too big 5000 > 4096"),
+])
+def test_body_size_limits_fail_before_the_body_arrives(cmd, size, code, text):
+    parser, cmds = parse_all(cmd + b"\n" + struct.pack(">i", size))
+    assert cmds == [(PARSE_ERROR, [code, text], None)]
+    parser.receive_data(b"NOP\n")
+    assert parser.commands() == []  # nothing is parsed after a framing error
+
+
+def test_overlong_line_is_an_error_not_a_buffer():
+    parser, cmds = parse_all(b"X" * (MAX_LINE + 1))
+    assert cmds[0][0] is PARSE_ERROR and cmds[0][1][0] == "E_INVALID"
+    assert parser.buffered == 0
+
+
+def test_partial_fin_is_kept_until_complete():
+    parser, cmds = parse_all(b"FIN " + MID[:8])
+    assert cmds == []
+    parser.receive_data(MID[8:] + b"\n")
+    assert parser.commands() == [(FIN_BATCH, [MID], None)]
+
+
+command_strategy = st.one_of(
+    st.builds(lambda i: b"FIN %016x\n" % i, st.integers(0, 2**63)),
+    st.builds(lambda n: b"RDY %d\n" % n, st.integers(0, 10000)),
+    st.just(b"NOP\n"),
+    st.builds(lambda body: b"PUB topic\n" + struct.pack(">i", len(body)) + body,
+              st.binary(min_size=1, max_size=300)),
+    st.builds(lambda body: b"IDENTIFY\n" + struct.pack(">i", len(body)) + body,
+              st.binary(min_size=1, max_size=50)),
+)
+
+
+@given(st.lists(command_strategy, max_size=30), st.integers(1, 64))
+def test_any_split_of_the_stream_gives_the_same_commands(stream, step):
+    data = b"".join(stream)
+    _, whole = parse_all(data)
+    _, pieces = parse_all(data, step=step)
+    assert flatten(pieces) == flatten(whole)
+    assert len(flatten(whole)) == len(stream)
+
+
+@given(st.binary(max_size=2000))
+def test_garbage_never_raises(data):
+    parser = V2Parser(1024, 4096)
+    parser.receive_data(data)
+    for name, params, _ in parser.commands():
+        assert isinstance(name, bytes) and isinstance(params, list)

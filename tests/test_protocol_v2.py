@@ -1,0 +1,338 @@
+"""Protocol V2 over real TCP sockets against the daemon running in-process."""
+
+import json
+import struct
+
+import pytest
+import trio
+
+from nsqd.protocol_v2 import HEARTBEAT  # noqa: F401  (the frame the daemon sends)
+
+from .support import FRAME_ERROR, NSQConnection, mpub_body, running_nsqd, tcp_port
+
+
+async def subscriber(nsqd, topic, channel, rdy=None, **identify):
+    conn = await NSQConnection.open(tcp_port(nsqd))
+    if identify:
+        await conn.identify(**identify)
+    await conn.sub(topic, channel)
+    if rdy is not None:
+        await conn.command(f"RDY {rdy}")
+    return conn
+
+
+async def test_bad_magic_gets_e_bad_protocol(tmp_path):
+    async with running_nsqd(tmp_path) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd), magic=b"  V1")
+        assert await conn.read_frame() == (FRAME_ERROR, b"E_BAD_PROTOCOL")
+        await conn.expect_closed()
+
+
+async def test_identify_negotiates_features(tmp_path):
+    async with running_nsqd(tmp_path, max_rdy_count=500) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        resp = await conn.identify(feature_negotiation=True, msg_timeout=5000, heartbeat_interval=2000,
+                                   client_id="c1", hostname="h1", user_agent="test/1.0")
+        assert resp["max_rdy_count"] == 500
+        assert resp["msg_timeout"] == 5000
+        assert resp["max_msg_timeout"] == 900000
+        assert resp["tls_v1"] is False and resp["snappy"] is False and resp["deflate"] is False
+        assert resp["auth_required"] is False
+        assert resp["version"] == "1.3.0"
+        client = next(iter(nsqd.clients.values()))
+        assert (client.client_id, client.hostname, client.user_agent) == ("c1", "h1", "test/1.0")
+        assert client.heartbeat_interval_ns == 2_000_000_000
+        plain = await NSQConnection.open(tcp_port(nsqd))
+        assert await plain.identify(client_id="x") == b"OK"
+
+
+@pytest.mark.parametrize("fields,text", [
+    ({"heartbeat_interval": 10}, b"E_BAD_BODY IDENTIFY heartbeat interval (10) is invalid"),
+    ({"msg_timeout": 999}, b"E_BAD_BODY IDENTIFY msg timeout (999) is invalid"),
+    ({"sample_rate": 100}, b"E_BAD_BODY IDENTIFY sample rate (100) is invalid"),
+    ({"output_buffer_size": 10}, b"E_BAD_BODY IDENTIFY output buffer size (10) is invalid"),
+])
+async def test_identify_rejects_out_of_range_fields(tmp_path, fields, text):
+    async with running_nsqd(tmp_path) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.command("IDENTIFY", json.dumps(fields).encode())
+        kind, data = await conn.read_frame()
+        assert (kind, data) == (FRAME_ERROR, text)
+        await conn.expect_closed()
+
+
+async def test_identify_bad_json_is_fatal(tmp_path):
+    async with running_nsqd(tmp_path) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.command("IDENTIFY", b"{nope")
+        await conn.expect_error("E_BAD_BODY IDENTIFY failed to decode JSON body")
+        await conn.expect_closed()
+
+
+async def test_pub_sub_fin_round_trip(tmp_path):
+    async with running_nsqd(tmp_path) as nsqd:
+        pub = await NSQConnection.open(tcp_port(nsqd))
+        await pub.pub("orders", b"hello")
+        sub = await subscriber(nsqd, "orders", "audit", rdy=1)
+        msg = await sub.read_message()
+        assert (msg.body, msg.attempts) == (b"hello", 1)
+        assert len(msg.id) == 16 and int(msg.id, 16) > 0
+        channel = nsqd.topics["orders"].channels["audit"]
+        assert channel.in_flight_count == 1
+        await sub.command(b"FIN " + msg.id)
+        await sub.command("NOP")
+        with trio.fail_after(2):
+            while channel.in_flight_count:
+                await trio.sleep(0.01)
+        client = next(c for c in nsqd.clients.values() if c.channel is channel)
+        assert (client.message_count, client.finish_count) == (1, 1)
+        assert nsqd.topics["orders"].message_count == 1
+        assert nsqd.clients[1].pub_counts == {"orders": 1}
+
+
+async def test_mpub_delivers_in_order_under_rdy(tmp_path):
+    async with running_nsqd(tmp_path) as nsqd:
+        pub = await NSQConnection.open(tcp_port(nsqd))
+        bodies = [b"m%03d" % i for i in range(100)]
+        sub = await subscriber(nsqd, "t", "c", rdy=10)
+        await pub.mpub("t", bodies)
+        got = []
+        for _ in range(10):
+            got.append(await sub.read_message())
+        with trio.move_on_after(0.3):
+            await sub.read_message()
+            raise AssertionError("more messages than RDY allows")
+        for msg in got:
+            await sub.command(b"FIN " + msg.id)
+        while len(got) < 100:
+            msg = await sub.read_message()
+            got.append(msg)
+            await sub.command(b"FIN " + msg.id)
+        assert [m.body for m in got] == bodies
+        assert len({m.id for m in got}) == 100
+
+
+async def test_consumers_of_one_channel_share_and_channels_each_get_all(tmp_path):
+    async with running_nsqd(tmp_path) as nsqd:
+        a = await subscriber(nsqd, "t", "shared", rdy=100)
+        b = await subscriber(nsqd, "t", "shared", rdy=100)
+        other = await subscriber(nsqd, "t", "other", rdy=200)
+        pub = await NSQConnection.open(tcp_port(nsqd))
+        for i in range(10):
+            await pub.mpub("t", [b"%d-%d" % (i, j) for j in range(10)])
+        seen_other = {(await other.read_message()).body for _ in range(100)}
+        assert len(seen_other) == 100
+        shared = []
+        for conn in (a, b):
+            with trio.move_on_after(0.5):
+                while True:
+                    shared.append(((await conn.read_message()).body, conn))
+        assert len(shared) == 100 and len({body for body, _ in shared}) == 100
+        assert {id(c) for _, c in shared} == {id(a), id(b)}
+
+
+async def test_req_redelivers_with_attempts_and_deferred_req_waits(tmp_path):
+    async with running_nsqd(tmp_path) as nsqd:
+        pub = await NSQConnection.open(tcp_port(nsqd))
+        await pub.pub("t", b"x")
+        sub = await subscriber(nsqd, "t", "c", rdy=1)
+        msg = await sub.read_message()
+        await sub.command(b"REQ " + msg.id + b" 0")
+        again = await sub.read_message()
+        assert (again.id, again.attempts) == (msg.id, 2)
+        channel = nsqd.topics["t"].channels["c"]
+        start = trio.current_time()
+        await sub.command(b"REQ " + msg.id + b" 300")
+        await sub.command("NOP")
+        with trio.fail_after(1):
+            while not channel.deferred_count:
+                await trio.sleep(0.01)
+        third = await sub.read_message()
+        assert third.attempts == 3 and trio.current_time() - start >= 0.29
+        assert channel.requeue_count == 2
+
+
+async def test_msg_timeout_redelivers_and_touch_extends(tmp_path):
+    async with running_nsqd(tmp_path, queue_scan_interval=0.02) as nsqd:
+        pub = await NSQConnection.open(tcp_port(nsqd))
+        await pub.mpub("t", [b"a", b"b"])
+        sub = await subscriber(nsqd, "t", "c", rdy=2, msg_timeout=1000)
+        first, second = await sub.read_message(), await sub.read_message()
+        await trio.sleep(0.6)
+        await sub.command(b"TOUCH " + first.id)
+        redelivered = await sub.read_message(timeout=3)
+        assert (redelivered.id, redelivered.attempts) == (second.id, 2)
+        touched = await sub.read_message(timeout=3)
+        assert touched.id == first.id
+        assert nsqd.topics["t"].channels["c"].timeout_count == 2
+
+
+async def test_dpub_defers_delivery(tmp_path):
+    async with running_nsqd(tmp_path) as nsqd:
+        pub = await NSQConnection.open(tcp_port(nsqd))
+        sub = await subscriber(nsqd, "t", "c", rdy=5)
+        start = trio.current_time()
+        await pub.dpub("t", 400, b"later")
+        await pub.pub("t", b"now")
+        assert (await sub.read_message()).body == b"now"
+        assert nsqd.topics["t"].channels["c"].deferred_count == 1
+        msg = await sub.read_message()
+        assert msg.body == b"later" and trio.current_time() - start >= 0.39
+
+
+async def test_non_fatal_errors_keep_the_connection(tmp_path):
+    async with running_nsqd(tmp_path) as nsqd:
+        sub = await subscriber(nsqd, "t", "c", rdy=1)
+        await sub.command("FIN 0000000000000000")
+        await sub.expect_error("E_FIN_FAILED FIN 0000000000000000 failed ID not in flight")
+        await sub.command("REQ 0000000000000000 0")
+        await sub.expect_error("E_REQ_FAILED REQ 0000000000000000 failed ID not in flight")
+        await sub.command("TOUCH 0000000000000000")
+        await sub.expect_error("E_TOUCH_FAILED TOUCH 0000000000000000 failed ID not in flight")
+        await sub.command("PUB t", b"still alive")
+        await sub.expect_response()
+        assert (await sub.read_message()).body == b"still alive"
+
+
+async def test_fin_of_another_clients_message(tmp_path):
+    async with running_nsqd(tmp_path) as nsqd:
+        a = await subscriber(nsqd, "t", "c", rdy=1)
+        b = await subscriber(nsqd, "t", "c")
+        await a.pub("t", b"x")
+        msg = await a.read_message()
+        await b.command(b"FIN " + msg.id)
+        await b.expect_error("E_FIN_FAILED FIN %s failed client does not own message" % msg.id.decode())
+
+
+@pytest.mark.parametrize("commands,error", [
+    ([b"BOGUS\n"], "E_INVALID invalid command BOGUS"),
+    ([b"RDY 1\n"], "E_INVALID cannot RDY in current state"),
+    ([b"FIN 0123456789abcdef\n"], "E_INVALID cannot FIN in current state"),
+    ([b"CLS\n"], "E_INVALID cannot CLS in current state"),
+    ([b"SUB bad!topic c\n"], 'E_BAD_TOPIC SUB topic name "bad!topic" is not valid'),
+    ([b"SUB t " + b"c" * 65 + b"\n"], "E_BAD_CHANNEL SUB channel name"),
+    ([b"SUB t\n"], "E_INVALID SUB insufficient number of parameters"),
+    ([b"SUB t c\n", b"RDY 2501\n"], "E_INVALID RDY count 2501 out of range 0-2500"),
+    ([b"SUB t c\n", b"RDY x\n"], "E_INVALID RDY could not parse count x"),
+    ([b"SUB t c\n", b"FIN 123\n"], "E_INVALID invalid message ID"),
+    ([b"SUB t c\n", b"REQ 0123456789abcdef x\n"], "E_INVALID REQ could not parse timeout x"),
+    ([b"PUB t\n" + struct.pack(">i", 0)], "E_BAD_MESSAGE PUB invalid message body size 0"),
+    ([b"PUB t\n" + struct.pack(">i", 1024 * 1024 + 1)], "E_BAD_MESSAGE PUB message too big"),
+    ([b"PUB\n" + struct.pack(">i", 1) + b"x"], "E_INVALID PUB insufficient number of parameters"),
+    ([b"DPUB t 3600001\n" + struct.pack(">i", 1) + b"x"], "E_INVALID DPUB timeout 3600001 out of range 0-3600000"),
+    ([b"MPUB t\n" + struct.pack(">i", 4) + struct.pack(">i", 0)], "E_BAD_BODY MPUB invalid message count 0"),
+    ([b"MPUB t\n" + struct.pack(">i", 8) + struct.pack(">ii", 1, 5)], "E_BAD_MESSAGE MPUB failed to read message body"),
+    ([b"MPUB t\n" + struct.pack(">i", 12) + struct.pack(">ii", 1, 0) + b"xxxx"],
+     "E_BAD_MESSAGE MPUB invalid message(0) body size 0"),
+    ([b"AUTH\n" + struct.pack(">i", 1) + b"x"], "E_AUTH_DISABLED AUTH disabled"),
+])
+async def test_fatal_errors_close_the_connection(tmp_path, commands, error):
+    async with running_nsqd(tmp_path) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        for data in commands:
+            await conn.send(data)
+            if data == b"SUB t c\n":
+                await conn.expect_response()
+        await conn.expect_error(error)
+        await conn.expect_closed()
+
+
+async def test_bad_mpub_publishes_nothing(tmp_path):
+    async with running_nsqd(tmp_path) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        body = mpub_body([b"good", b"x" * (1024 * 1024 + 1)])
+        await conn.command("MPUB t", body)
+        await conn.expect_error("E_BAD_MESSAGE MPUB message too big")
+        topic = nsqd.get_existing_topic("t")
+        assert topic is None or topic.message_count == 0
+
+
+async def test_a_bad_client_does_not_disturb_others(tmp_path):
+    async with running_nsqd(tmp_path) as nsqd:
+        good = await subscriber(nsqd, "t", "c", rdy=10)
+        bad = await NSQConnection.open(tcp_port(nsqd))
+        await bad.send(b"\x00\xff garbage \n" * 10 + b"MPUB t\n" + struct.pack(">i", -1))
+        await bad.expect_closed()
+        await good.pub("t", b"fine")
+        assert (await good.read_message()).body == b"fine"
+
+
+async def test_heartbeats_and_missed_heartbeats_disconnect(tmp_path):
+    async with running_nsqd(tmp_path) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.identify(heartbeat_interval=1000)
+        kind, data = await conn.read_frame(timeout=2)
+        assert data == b"_heartbeat_"
+        # answer nothing: after two intervals without input the daemon hangs up
+        await conn.expect_closed(timeout=4)
+        assert not nsqd.clients
+
+
+async def test_sub_with_heartbeats_disabled_is_refused(tmp_path):
+    async with running_nsqd(tmp_path) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.identify(heartbeat_interval=-1)
+        await conn.command("SUB t c")
+        await conn.expect_error("E_INVALID cannot SUB with heartbeats disabled")
+
+
+async def test_cls_stops_delivery(tmp_path):
+    async with running_nsqd(tmp_path) as nsqd:
+        sub = await subscriber(nsqd, "t", "c")
+        await sub.command("CLS")
+        await sub.expect_response(b"CLOSE_WAIT")
+        await sub.command("RDY 5")  # ignored after CLS
+        await sub.pub("t", b"x")
+        with trio.move_on_after(0.3):
+            await sub.read_message()
+            raise AssertionError("delivered after CLS")
+
+
+async def test_disconnect_requeues_in_flight_at_once(tmp_path):
+    async with running_nsqd(tmp_path) as nsqd:
+        first = await subscriber(nsqd, "t", "c", rdy=5)
+        await first.mpub("t", [b"1", b"2", b"3"])
+        got = [await first.read_message() for _ in range(3)]
+        await first.close()
+        second = await subscriber(nsqd, "t", "c", rdy=5)
+        again = [await second.read_message(timeout=2) for _ in range(3)]
+        assert [m.id for m in again] == [m.id for m in got]
+        assert [m.attempts for m in again] == [2, 2, 2]
+
+
+async def test_ephemeral_channel_and_topic_vanish_with_last_client(tmp_path):
+    async with running_nsqd(tmp_path) as nsqd:
+        sub = await subscriber(nsqd, "e#ephemeral", "c#ephemeral", rdy=1)
+        assert "e#ephemeral" in nsqd.topics
+        await sub.close()
+        with trio.fail_after(2):
+            while "e#ephemeral" in nsqd.topics:
+                await trio.sleep(0.01)
+
+
+async def test_topic_without_channels_keeps_messages_for_the_first_channel(tmp_path):
+    async with running_nsqd(tmp_path, mem_queue_size=5) as nsqd:
+        pub = await NSQConnection.open(tcp_port(nsqd))
+        await pub.mpub("t", [b"%d" % i for i in range(20)])
+        topic = nsqd.topics["t"]
+        assert topic.depth == 20 and topic.backend_depth == 15
+        sub = await subscriber(nsqd, "t", "c", rdy=100)
+        bodies = {(await sub.read_message()).body for _ in range(20)}
+        assert bodies == {b"%d" % i for i in range(20)}
+        assert topic.depth == 0
+
+
+async def test_channel_overflow_spills_to_disk_and_all_arrive(tmp_path):
+    async with running_nsqd(tmp_path, mem_queue_size=10) as nsqd:
+        sub = await subscriber(nsqd, "t", "c")
+        await sub.mpub("t", [b"%d" % i for i in range(100)])
+        channel = nsqd.topics["t"].channels["c"]
+        assert channel.depth == 100 and channel.backend_depth == 90
+        await sub.command("RDY 30")
+        got = []
+        while len(got) < 100:
+            msg = await sub.read_message()
+            got.append(msg.body)
+            await sub.command(b"FIN " + msg.id)
+        assert sorted(got) == sorted(b"%d" % i for i in range(100))
+        assert channel.depth == 0
