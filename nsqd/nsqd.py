@@ -161,8 +161,9 @@ class NSQD:
         )
 
     def open_backend(self, queue_name: str) -> diskq.DiskQueue:
+        if goimport.go_queue_exists(queue_name, self.data_path):
+            self._import_go_queue(queue_name)
         backend = diskq.DiskQueue(queue_name, self.data_path, **self._disk_queue_options())
-        self._import_go_queue(queue_name, backend)
         if self._queues_nursery is not None:
             self._queues_nursery.start_soon(self._run_backend, backend)
         return backend
@@ -189,10 +190,14 @@ class NSQD:
         else:
             backend.close()
 
-    def _import_go_queue(self, queue_name: str, backend: diskq.DiskQueue) -> None:
-        """Take over the backlog a Go nsqd left for this queue, then remove its files."""
-        if not goimport.go_queue_exists(queue_name, self.data_path):
-            return
+    def _import_go_queue(self, queue_name: str) -> None:
+        """Take over the backlog a Go nsqd left for this queue, then remove its files.
+
+        The messages are appended to our own queue and fsynced (by closing it)
+        before the Go files are deleted, so a crash in between duplicates at
+        worst and never loses.
+        """
+        backend = diskq.DiskQueue(queue_name, self.data_path, **self._disk_queue_options())
         imported = 0
         batch: list[bytes] = []
         for data in goimport.iter_go_queue(queue_name, self.data_path,
@@ -205,7 +210,7 @@ class NSQD:
         if batch:
             backend.put_many(batch)
             imported += len(batch)
-        backend.close()  # fsync before the Go files go away
+        backend.close()
         goimport.remove_go_queue(queue_name, self.data_path)
         log.info("imported Go nsqd queue", queue=queue_name, messages=imported)
 

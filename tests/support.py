@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import signal
+import socket
 import struct
+import subprocess
+import sys
+import time
 from contextlib import asynccontextmanager
 
 import trio
@@ -146,3 +151,47 @@ class NSQConnection:
 
 def mpub_body(bodies: list[bytes]) -> bytes:
     return struct.pack(">i", len(bodies)) + b"".join(struct.pack(">i", len(b)) + b for b in bodies)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Daemon:
+    """``python -m nsqd`` as a real subprocess."""
+
+    def __init__(self, data_path, *args):
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "nsqd", f"--tcp-address=127.0.0.1:{self.port}", "--http-address=",
+             f"--data-path={data_path}", "--log-level=warn", *args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    async def wait_ready(self) -> None:
+        with trio.fail_after(20):
+            while True:
+                assert self.proc.poll() is None, self.proc.stderr.read().decode()
+                try:
+                    stream = await trio.open_tcp_stream("127.0.0.1", self.port)
+                except OSError:
+                    await trio.sleep(0.05)
+                    continue
+                await stream.aclose()
+                return
+
+    def wait_ready_sync(self, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.proc.stderr.read().decode()
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise TimeoutError("daemon did not start")
+
+    async def stop(self, sig=signal.SIGTERM) -> int:
+        self.proc.send_signal(sig)
+        return await trio.to_thread.run_sync(self.proc.wait, 30)

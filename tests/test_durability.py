@@ -1,15 +1,11 @@
 """What survives a restart: orderly shutdown in-process and as a real subprocess."""
 
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import trio
 
-from .support import NSQConnection, running_nsqd, tcp_port
+from .support import Daemon, NSQConnection, running_nsqd, tcp_port
 
 
 async def drain(conn: NSQConnection, count: int, timeout: float = 5):
@@ -62,39 +58,6 @@ async def test_deferred_due_time_survives_restart(tmp_path):
         msg = await conn.read_message(timeout=5)
         assert msg.body == b"later"
         assert time.time() - start >= 1.45
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Daemon:
-    """``python -m nsqd`` as a real subprocess."""
-
-    def __init__(self, data_path, *args):
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "nsqd", f"--tcp-address=127.0.0.1:{self.port}", "--http-address=",
-             f"--data-path={data_path}", "--log-level=warn", *args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-    async def wait_ready(self) -> None:
-        with trio.fail_after(20):
-            while True:
-                assert self.proc.poll() is None, self.proc.stderr.read().decode()
-                try:
-                    stream = await trio.open_tcp_stream("127.0.0.1", self.port)
-                except OSError:
-                    await trio.sleep(0.05)
-                    continue
-                await stream.aclose()
-                return
-
-    async def stop(self, sig=signal.SIGTERM) -> int:
-        self.proc.send_signal(sig)
-        return await trio.to_thread.run_sync(self.proc.wait, 30)
 
 
 async def test_sigterm_persists_everything_in_a_subprocess(tmp_path):
