@@ -57,6 +57,32 @@ class Consumer(Protocol):
         """The channel is being deleted: the consumer must go."""
 
 
+class Lease:
+    """Deliveries tagged with one name, settled together from any connection.
+
+    The lease owns its in-flight messages, so they outlive the connection that
+    received them: a stream processor acknowledges a batch after its sink
+    commits, from another process. A sealed lease takes no new messages.
+    """
+
+    __slots__ = ("name", "in_flight", "owner", "sealed", "timeout_ns")
+
+    def __init__(self, name: str, timeout_ns: int) -> None:
+        self.name = name
+        self.in_flight = InFlight()
+        self.owner: Consumer | None = None
+        self.sealed = False
+        self.timeout_ns = timeout_ns
+
+    def renew(self, now_ns: int) -> list[bytes]:
+        """Give every message a fresh deadline; returns their frames in delivery order."""
+        frames = self.in_flight.drain()
+        if frames:
+            self.in_flight.add([message.frame_id(f) for f in frames], frames,
+                               now_ns + self.timeout_ns, now_ns)
+        return frames
+
+
 class ChannelExiting(Exception):
     """The channel is being deleted or the daemon is shutting down."""
 
@@ -87,11 +113,16 @@ class Channel:
         self._seq = count()
         self._hungry: dict[Consumer, None] = {}
         self._disk_turn = False
+        #: failed deliveries (REQ, timeouts, AMQP delivery-failed) by message id, only
+        #: for messages that have any; carried to disk in the record's extension
+        self.failed: dict[bytes, int] = {}
+        self.leases: dict[str, Lease] = {}
         # counters, as in nsqd's channel stats
         self.message_count = 0
         self.requeue_count = 0
         self.timeout_count = 0
         self.dropped_count = 0
+        self.rejected_count = 0
 
     # ----------------------------------------------------------- derived stats
     @property
@@ -108,7 +139,8 @@ class Channel:
 
     @property
     def in_flight_count(self) -> int:
-        return sum(len(c.in_flight) for c in self.consumers.values())
+        return sum(len(c.in_flight) for c in self.consumers.values()) + sum(
+            len(lease.in_flight) for lease in self.leases.values())
 
     @property
     def deferred_count(self) -> int:
@@ -132,6 +164,9 @@ class Channel:
         if consumer is None:
             return
         self._hungry.pop(consumer, None)
+        lease = getattr(consumer, "lease", None)
+        if lease is not None:
+            self.seal_lease(lease)
         frames = consumer.in_flight.drain()
         if frames and not self.exiting:
             self.requeue_count += len(frames)
@@ -163,7 +198,8 @@ class Channel:
 
     def _defer(self, frame: bytes, due_ns: int) -> None:
         if len(self._deferred) >= max(self.mem_queue_size, 1) and self.backend is not None:
-            self.backend.put(message.to_disk(frame, due_ns=due_ns))
+            failed = self.failed.pop(message.frame_id(frame), 0) if self.failed else 0
+            self.backend.put(message.to_disk(frame, due_ns=due_ns, failed=failed))
             return
         heapq.heappush(self._deferred, (due_ns, next(self._seq), frame))
 
@@ -246,12 +282,14 @@ class Channel:
                 frames.append(message.from_disk_plain(payload))
                 continue
             try:
-                frame, due_ns, _failed = message.from_disk(payload)
+                frame, due_ns, failed = message.from_disk(payload)
             except message.BadRecord as exc:
                 self.dropped_count += 1
                 log.error("undecodable message on disk", channel=self.name, topic=self.topic_name,
                           error=str(exc))
                 continue
+            if failed:
+                self.failed[message.frame_id(frame)] = failed
             if due_ns > now_ns:
                 self._defer(frame, due_ns)
             else:
@@ -261,15 +299,97 @@ class Channel:
         return len(frames)
 
     # ------------------------------------------------------- consumer verbs
-    def requeue(self, frame: bytes, delay_ns: int, now_ns: int) -> None:
-        """A consumer gave a message back (REQ); it was already removed from in-flight."""
+    def requeue(self, frame: bytes, delay_ns: int, now_ns: int, *, failed: bool = True,
+                count_attempt: bool = True) -> None:
+        """A consumer gave a message back; it was already removed from in-flight.
+
+        NSQ's REQ counts the delivery (attempts) and a failed delivery; an AMQP
+        ``released`` counts neither.
+        """
         self.requeue_count += 1
-        frame = message.next_attempt(frame)
+        if count_attempt:
+            frame = message.next_attempt(frame)
+        if failed:
+            self.count_failure(message.frame_id(frame))
         if delay_ns > 0:
             self._defer(frame, now_ns + delay_ns)
         else:
             self._push_front([frame])
             self._wake(1)
+
+    def count_failure(self, msg_id: bytes) -> None:
+        self.failed[msg_id] = self.failed.get(msg_id, 0) + 1
+
+    def forget(self, ids) -> None:
+        """Finished messages leave the failed-count table (only called when it is not empty)."""
+        pop = self.failed.pop
+        for msg_id in ids:
+            pop(msg_id, None)
+
+    def reject(self, frame: bytes) -> None:
+        """A consumer refused a message for good: it leaves the channel, counted."""
+        self.rejected_count += 1
+        if self.failed:
+            self.failed.pop(message.frame_id(frame), None)
+
+    # ---------------------------------------------------------------- leases
+    def open_lease(self, name: str, consumer: Consumer, now_ns: int, timeout_ns: int) -> tuple[Lease, list[bytes]]:
+        """Tag the consumer's next deliveries with lease ``name``.
+
+        Reopening a live lease hands over exactly its messages again (returned,
+        to be resent) and takes no new ones: the lease is sealed.
+        """
+        lease = self.leases.get(name)
+        if lease is None:
+            lease = self.leases[name] = Lease(name, timeout_ns)
+            resend: list[bytes] = []
+        else:
+            lease.sealed = True
+            resend = lease.renew(now_ns)
+        lease.owner = consumer
+        return lease, resend
+
+    def seal_lease(self, lease: Lease) -> None:
+        """The lease's owner moved on: the lease keeps its messages and takes no more."""
+        lease.owner = None
+        lease.sealed = True
+        if not lease.in_flight and self.leases.get(lease.name) is lease:
+            del self.leases[lease.name]
+
+    def finish_lease(self, name: str) -> int:
+        lease = self.leases.pop(name, None)
+        if lease is None:
+            return 0
+        ids = list(lease.in_flight.map)
+        lease.in_flight.map.clear()
+        if self.failed:
+            self.forget(ids)
+        self._release_owner(lease)
+        return len(ids)
+
+    def touch_lease(self, name: str, now_ns: int) -> int:
+        lease = self.leases.get(name)
+        if lease is None:
+            return 0
+        lease.renew(now_ns)
+        return len(lease.in_flight)
+
+    def requeue_lease(self, name: str, delay_ns: int, now_ns: int) -> int:
+        lease = self.leases.pop(name, None)
+        if lease is None:
+            return 0
+        frames = lease.in_flight.drain()
+        self._release_owner(lease)
+        for frame in frames:
+            self.requeue(frame, delay_ns, now_ns)
+        return len(frames)
+
+    def _release_owner(self, lease: Lease) -> None:
+        owner = lease.owner
+        lease.owner = None
+        lease.sealed = True
+        if owner is not None:
+            owner.wake()
 
     # ------------------------------------------------------------ queue scan
     def process_in_flight(self, now_ns: int) -> bool:
@@ -279,13 +399,26 @@ class Channel:
             frames = consumer.in_flight.expire(now_ns)
             if frames:
                 dirty = True
-                self.timeout_count += len(frames)
                 consumer.messages_timed_out(len(frames))
-                self._push_front([message.next_attempt(f) for f in frames])
+                self._timed_out(frames)
                 consumer.wake()
+        for lease in list(self.leases.values()):
+            frames = lease.in_flight.expire(now_ns)
+            if frames:
+                dirty = True
+                self._timed_out(frames)
+            if not lease.in_flight and (lease.sealed or frames):
+                self.leases.pop(lease.name, None)
+                self._release_owner(lease)
         if dirty:
             self._wake(self._mem_count)
         return dirty
+
+    def _timed_out(self, frames: list[bytes]) -> None:
+        self.timeout_count += len(frames)
+        for frame in frames:
+            self.count_failure(message.frame_id(frame))
+        self._push_front([message.next_attempt(f) for f in frames])
 
     def process_deferred(self, now_ns: int) -> bool:
         """Move deferred messages that are due to the queue; True if there was any."""
@@ -321,6 +454,11 @@ class Channel:
         self._deferred.clear()
         for consumer in self.consumers.values():
             consumer.in_flight.map.clear()
+        for lease in list(self.leases.values()):
+            lease.in_flight.map.clear()
+            self._release_owner(lease)
+        self.leases.clear()
+        self.failed.clear()
         if self.backend is not None:
             self.backend.empty()
 
@@ -330,16 +468,24 @@ class Channel:
         In-flight messages come first (they were delivered before anything still
         queued), then the memory queue, then deferred messages with due times.
         """
-        for consumer in self.consumers.values():
-            for frame in consumer.in_flight.drain():
-                yield message.to_disk(message.next_attempt(frame))
+        failed = self.failed
+        in_flight = [f for c in self.consumers.values() for f in c.in_flight.drain()]
+        in_flight += [f for lease in self.leases.values() for f in lease.in_flight.drain()]
+        for frame in in_flight:
+            yield message.to_disk(message.next_attempt(frame), failed=failed.get(message.frame_id(frame), 0))
         first = True
         for ids, frames in self._chunks:
             start = self._head if first else 0
             first = False
-            yield from message.frames_to_disk(frames[start:])
+            if failed:
+                for frame in frames[start:]:
+                    yield message.to_disk(frame, failed=failed.get(message.frame_id(frame), 0))
+            else:
+                yield from message.frames_to_disk(frames[start:])
         for due_ns, _, frame in sorted(self._deferred):
-            yield message.to_disk(frame, due_ns=due_ns)
+            yield message.to_disk(frame, due_ns=due_ns, failed=failed.get(message.frame_id(frame), 0))
         self._chunks.clear()
         self._head = self._mem_count = 0
         self._deferred.clear()
+        self.leases.clear()
+        self.failed.clear()

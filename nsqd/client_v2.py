@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable
 from .in_flight import InFlight
 
 if TYPE_CHECKING:
-    from .channel import Channel
+    from .channel import Channel, Lease
     from .options import Options
 
 STATE_INIT = 0
@@ -50,6 +50,9 @@ class ClientV2:
         self.channel: Channel | None = None
         self.ready_count = 0
         self.in_flight = InFlight()
+        #: the lease extension: negotiated in IDENTIFY, then LEASE <name> tags deliveries
+        self.leases_enabled = False
+        self.lease: Lease | None = None
         self.max_msg_timeout_ns = int(options.max_msg_timeout * 1e9)
         # counters
         self.message_count = 0
@@ -66,7 +69,8 @@ class ClientV2:
     # ------------------------------------------------------------ consumer
     def wake(self) -> int:
         self.on_wake()
-        return max(self.ready_count - len(self.in_flight), 0)
+        in_flight = len(self.in_flight) + (len(self.lease.in_flight) if self.lease else 0)
+        return max(self.ready_count - in_flight, 0)
 
     def close(self) -> None:
         """The channel is going away: end this connection (as nsqd does)."""
@@ -81,7 +85,14 @@ class ClientV2:
         channel = self.channel
         if channel is None or self.state != STATE_SUBSCRIBED:
             return
-        in_flight = len(self.in_flight)
+        target = self.in_flight
+        in_flight = len(target)
+        lease = self.lease
+        if lease is not None:
+            if lease.sealed:
+                return
+            target = lease.in_flight
+            in_flight += len(target)
         free = self.ready_count - in_flight
         if free <= 0 or (in_flight and free * MIN_REFILL_FRACTION < self.ready_count):
             return
@@ -89,7 +100,7 @@ class ClientV2:
         if not pieces:
             return
         deadline = now_ns + self.msg_timeout_ns
-        add = self.in_flight.add
+        add = target.add
         extend = self.out.extend
         for ids, frames in pieces:
             if self.sample_rate:
@@ -102,15 +113,6 @@ class ClientV2:
         """Keep about ``sample_rate`` percent of messages; nsqd drops the rest for the channel."""
         keep = [i for i in range(len(ids)) if random.randrange(100) < self.sample_rate]
         return [ids[i] for i in keep], [frames[i] for i in keep]
-
-    @property
-    def is_ready(self) -> bool:
-        return (
-            self.channel is not None
-            and not self.channel.paused
-            and self.ready_count > 0
-            and self.ready_count > len(self.in_flight)
-        )
 
 
 def _noop() -> None:

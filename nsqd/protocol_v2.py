@@ -16,6 +16,7 @@ errors end the connection after the error frame is written.
 from __future__ import annotations
 
 import json
+import re
 import struct
 from typing import TYPE_CHECKING
 
@@ -158,6 +159,7 @@ class ProtocolV2:
             b"IDENTIFY": self.IDENTIFY, b"SUB": self.SUB, b"RDY": self.RDY, b"FIN": self.FIN,
             b"REQ": self.REQ, b"TOUCH": self.TOUCH, b"PUB": self.PUB, b"MPUB": self.MPUB,
             b"DPUB": self.DPUB, b"NOP": self.NOP, b"CLS": self.CLS, b"AUTH": self.AUTH,
+            b"LEASE": self.LEASE, b"LFIN": self.LFIN, b"LTOUCH": self.LTOUCH, b"LREQ": self.LREQ,
         }
 
     def receive_data(self, data: bytes, now_ns: int) -> None:
@@ -255,6 +257,7 @@ class ProtocolV2:
             "output_buffer_timeout": client.output_buffer_timeout_ns // 1_000_000,
             "topology_region": "",
             "topology_zone": "",
+            **({"leases": True} if client.leases_enabled else {}),
         }, separators=(",", ":")).encode())
 
     def AUTH(self, params, body, now_ns):
@@ -312,13 +315,17 @@ class ProtocolV2:
         pop = client.in_flight.map.pop
         finished = 0
         for msg_id in ids:
-            if pop(msg_id, None) is None:
+            if pop(msg_id, None) is not None:
+                finished += 1
+            elif client.lease is not None and client.lease.in_flight.finish(msg_id):
+                finished += 1
+            else:
                 reason = self._not_in_flight_reason(msg_id)
                 client.out.append(message.encode_error(
                     f"E_FIN_FAILED FIN {msg_id.decode(errors='replace')} failed {reason}".encode()))
-            else:
-                finished += 1
         client.finish_count += finished
+        if client.channel.failed:
+            client.channel.forget(ids)
 
     def _not_in_flight_reason(self, msg_id: bytes) -> str:
         channel = self.client.channel
@@ -335,6 +342,8 @@ class ProtocolV2:
         delay_ms = self._base10(params[2], "REQ could not parse timeout")
         delay_ms = min(delay_ms, int(self.nsqd.options.max_req_timeout * 1000))
         frame = client.in_flight.take(msg_id)
+        if frame is None and client.lease is not None:
+            frame = client.lease.in_flight.take(msg_id)
         if frame is None:
             reason = self._not_in_flight_reason(msg_id)
             raise ClientError("E_REQ_FAILED", f"REQ {msg_id.decode(errors='replace')} failed {reason}",
@@ -347,7 +356,10 @@ class ProtocolV2:
         client = self.client
         self._require_state("TOUCH", STATE_SUBSCRIBED, STATE_CLOSING)
         msg_id = self._message_id(params, "TOUCH", 2)
-        if not client.in_flight.touch(msg_id, now_ns, client.msg_timeout_ns, client.max_msg_timeout_ns):
+        touched = client.in_flight.touch(msg_id, now_ns, client.msg_timeout_ns, client.max_msg_timeout_ns) or (
+            client.lease is not None
+            and client.lease.in_flight.touch(msg_id, now_ns, client.msg_timeout_ns, client.max_msg_timeout_ns))
+        if not touched:
             reason = self._not_in_flight_reason(msg_id)
             raise ClientError("E_TOUCH_FAILED", f"TOUCH {msg_id.decode(errors='replace')} failed {reason}",
                               fatal=False)
@@ -361,6 +373,57 @@ class ProtocolV2:
 
     def NOP(self, params, body, now_ns):
         return None
+
+    # ------------------------------------------------- lease extension
+    def _lease_args(self, params: list[bytes], cmd: str, needed: int) -> str:
+        client = self.client
+        if not client.leases_enabled:
+            raise ClientError("E_INVALID", f"{cmd} requires the leases feature (IDENTIFY leases)")
+        self._require_state(cmd, STATE_SUBSCRIBED, STATE_CLOSING)
+        if len(params) < needed:
+            raise ClientError("E_INVALID", f"{cmd} insufficient number of params")
+        name = params[1].decode(errors="replace") if len(params) > 1 else ""
+        if name and not _LEASE_NAME.match(name):
+            raise ClientError("E_BAD_LEASE", f"{cmd} lease name {_go_quote(name)} is not valid")
+        return name
+
+    def LEASE(self, params, body, now_ns):
+        """``LEASE <name>`` tags this connection's next deliveries; ``LEASE`` alone stops."""
+        client = self.client
+        name = self._lease_args(params, "LEASE", 1)
+        channel = client.channel
+        if client.lease is not None:
+            channel.seal_lease(client.lease)
+            client.lease = None
+        if not name:
+            return _lease_response({"lease": "", "count": 0, "reopened": False})
+        lease, resend = channel.open_lease(name, client, now_ns, client.msg_timeout_ns)
+        client.lease = lease
+        response = _lease_response({"lease": name, "count": len(lease.in_flight), "reopened": lease.sealed})
+        if resend:
+            client.out.append(response)
+            client.out.extend(resend)
+            client.message_count += len(resend)
+            return None
+        return response
+
+    def LFIN(self, params, body, now_ns):
+        name = self._lease_args(params, "LFIN", 2)
+        count = self.client.channel.finish_lease(name)
+        self.client.finish_count += count
+        return _lease_response({"lease": name, "count": count})
+
+    def LTOUCH(self, params, body, now_ns):
+        name = self._lease_args(params, "LTOUCH", 2)
+        return _lease_response({"lease": name, "count": self.client.channel.touch_lease(name, now_ns)})
+
+    def LREQ(self, params, body, now_ns):
+        name = self._lease_args(params, "LREQ", 3)
+        delay_ms = min(self._base10(params[2], "LREQ could not parse timeout"),
+                       int(self.nsqd.options.max_req_timeout * 1000))
+        count = self.client.channel.requeue_lease(name, delay_ms * 1_000_000, now_ns)
+        self.client.requeue_count += count
+        return _lease_response({"lease": name, "count": count})
 
     def PUB(self, params, body, now_ns):
         topic_name = self._topic_name(params, "PUB", 2)
@@ -470,6 +533,7 @@ def _identify(client: ClientV2, data: dict, opts) -> None:
     client.hostname = data.get("hostname") or client.hostname
     client.user_agent = data.get("user_agent") or ""
     client.feature_negotiation = bool(data.get("feature_negotiation", False))
+    client.leases_enabled = bool(data.get("leases", False))
 
     heartbeat = integer("heartbeat_interval")
     max_hb_ms = int(opts.max_heartbeat_interval * 1000)
@@ -515,6 +579,13 @@ def _identify(client: ClientV2, data: dict, opts) -> None:
         client.msg_timeout_ns = msg_timeout * 1_000_000
     else:
         raise ValueError(f"msg timeout ({msg_timeout}) is invalid")
+
+
+_LEASE_NAME = re.compile(r"^[.a-zA-Z0-9_:#-]{1,128}$")
+
+
+def _lease_response(fields: dict) -> bytes:
+    return message.encode_response(json.dumps(fields, separators=(",", ":")).encode())
 
 
 def _go_quote(text: str) -> str:

@@ -189,3 +189,23 @@ def test_disk_payload_round_trip_keeps_due_and_failed():
     # an unknown extension field is skipped
     unknown = b"\x00\x04\x09\x02zz" + frame[8:]
     assert message.from_disk(unknown) == (frame, 0, 0)
+
+
+def test_failed_deliveries_are_counted_apart_from_attempts():
+    ch = Channel("t", "c", mem_queue_size=100, backend=None)
+    c = Consumer(rdy=1)
+    ch.add_consumer(1, c)
+    ids, frames = chunk(1)
+    ch.put_chunk(ids, frames)
+    c.fill(ch, 0, timeout=10)
+    ch.requeue(c.in_flight.take(ids[0]), 0, 0)  # REQ: a failed delivery
+    c.fill(ch, 0, timeout=10)
+    ch.process_in_flight(100)  # timeout: another
+    assert ch.failed[ids[0]] == 2
+    again = c.fill(ch, 100, timeout=10)
+    assert message.frame_attempts(again[0]) == 3
+    ch.requeue(c.in_flight.take(ids[0]), 0, 0, failed=False, count_attempt=False)  # released
+    assert ch.failed[ids[0]] == 2 and message.frame_attempts(c.fill(ch, 100)[0]) == 3
+    payload = next(iter(ch.persistable()))
+    assert message.from_disk(payload)[2] == 2  # the count goes to disk with the message
+    assert ch.failed == {}

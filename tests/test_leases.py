@@ -1,0 +1,103 @@
+"""The lease extension: deliveries tagged with a name, settled from any connection."""
+
+import json
+
+import trio
+
+from .support import FRAME_RESPONSE, NSQConnection, running_nsqd, tcp_port
+
+
+async def lease_consumer(nsqd, topic="t", channel="c", msg_timeout=60000):
+    conn = await NSQConnection.open(tcp_port(nsqd))
+    resp = await conn.identify(feature_negotiation=True, leases=True, msg_timeout=msg_timeout)
+    assert resp["leases"] is True
+    await conn.sub(topic, channel)
+    return conn
+
+
+async def lease_command(conn, line):
+    await conn.command(line)
+    kind, data = await conn.read_non_heartbeat()
+    assert kind == FRAME_RESPONSE, data
+    return json.loads(data)
+
+
+async def test_lease_is_settled_from_another_connection(tmp_path):
+    async with running_nsqd(tmp_path) as nsqd:
+        reader = await lease_consumer(nsqd)
+        await reader.mpub("t", [b"%d" % i for i in range(10)])
+        assert await lease_command(reader, "LEASE run1:0:0") == {"lease": "run1:0:0", "count": 0, "reopened": False}
+        await reader.command("RDY 4")
+        got = [await reader.read_message() for _ in range(4)]
+        assert [m.body for m in got] == [b"0", b"1", b"2", b"3"]
+        await reader.command("RDY 0")
+        await reader.close()  # the lease outlives the connection: nothing is requeued
+        channel = nsqd.topics["t"].channels["c"]
+        with trio.fail_after(2):
+            while channel.consumers:
+                await trio.sleep(0.01)
+        assert channel.in_flight_count == 4 and channel.depth == 6
+        driver = await lease_consumer(nsqd)
+        assert await lease_command(driver, "LTOUCH run1:0:0") == {"lease": "run1:0:0", "count": 4}
+        assert await lease_command(driver, "LFIN run1:0:0") == {"lease": "run1:0:0", "count": 4}
+        assert channel.in_flight_count == 0 and channel.requeue_count == 0
+        assert await lease_command(driver, "LFIN run1:0:0") == {"lease": "run1:0:0", "count": 0}
+
+
+async def test_reopened_lease_replays_exactly_its_messages(tmp_path):
+    async with running_nsqd(tmp_path) as nsqd:
+        first = await lease_consumer(nsqd)
+        await first.mpub("t", [b"%d" % i for i in range(10)])
+        await lease_command(first, "LEASE r:1:0")
+        await first.command("RDY 3")
+        original = [await first.read_message() for _ in range(3)]
+        await first.close()
+        again = await lease_consumer(nsqd)
+        assert await lease_command(again, "LEASE r:1:0") == {"lease": "r:1:0", "count": 3, "reopened": True}
+        replay = [await again.read_message() for _ in range(3)]
+        assert [m.id for m in replay] == [m.id for m in original]
+        await again.command("RDY 100")  # a sealed lease takes nothing new
+        with trio.move_on_after(0.3):
+            await again.read_message()
+            raise AssertionError("a reopened lease received new messages")
+
+
+async def test_untouched_lease_expires_and_redelivers(tmp_path):
+    async with running_nsqd(tmp_path, queue_scan_interval=0.02) as nsqd:
+        reader = await lease_consumer(nsqd, msg_timeout=1000)
+        await reader.pub("t", b"x")
+        await lease_command(reader, "LEASE gone")
+        await reader.command("RDY 1")
+        msg = await reader.read_message()
+        await reader.close()
+        plain = await NSQConnection.open(tcp_port(nsqd))
+        await plain.sub("t", "c")
+        await plain.command("RDY 1")
+        again = await plain.read_message(timeout=3)
+        assert (again.id, again.attempts) == (msg.id, 2)
+        channel = nsqd.topics["t"].channels["c"]
+        assert channel.timeout_count == 1 and "gone" not in channel.leases
+
+
+async def test_lreq_requeues_the_whole_lease(tmp_path):
+    async with running_nsqd(tmp_path) as nsqd:
+        conn = await lease_consumer(nsqd)
+        await conn.mpub("t", [b"a", b"b"])
+        await lease_command(conn, "LEASE x")
+        await conn.command("RDY 2")
+        [await conn.read_message() for _ in range(2)]
+        await lease_command(conn, "LEASE")  # stop tagging: the lease is sealed
+        assert await lease_command(conn, "LREQ x 0") == {"lease": "x", "count": 2}
+        again = sorted([(await conn.read_message()).body for _ in range(2)])
+        assert again == [b"a", b"b"]
+
+
+async def test_lease_commands_need_the_feature(tmp_path):
+    async with running_nsqd(tmp_path) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.sub("t", "c")
+        await conn.command("LEASE a")
+        await conn.expect_error("E_INVALID LEASE requires the leases feature")
+        conn = await lease_consumer(nsqd)
+        await conn.command("LEASE bad/name")
+        await conn.expect_error('E_BAD_LEASE LEASE lease name "bad/name" is not valid')
