@@ -206,6 +206,6 @@ def test_failed_deliveries_are_counted_apart_from_attempts():
     assert message.frame_attempts(again[0]) == 3
     ch.requeue(c.in_flight.take(ids[0]), 0, 0, failed=False, count_attempt=False)  # released
     assert ch.failed[ids[0]] == 2 and message.frame_attempts(c.fill(ch, 100)[0]) == 3
-    payload = next(iter(ch.persistable()))
+    [payload] = list(ch.persistable())
     assert message.from_disk(payload)[2] == 2  # the count goes to disk with the message
     assert ch.failed == {}
