@@ -98,6 +98,8 @@ class NSQD:
                 name,
                 mem_queue_size=self.options.mem_queue_size,
                 backend=None if name.endswith("#ephemeral") else self.open_backend(name),
+                max_messages=self.options.topic_max_messages,
+                channel_max_messages=self.options.channel_max_messages,
                 open_channel_backend=self._open_channel_backend,
                 on_channels_changed=self._topic_changed,
                 on_backlog=self._schedule_backlog,

@@ -417,6 +417,15 @@ class Options:
     log_prefix: str = _opt("str", "[nsqd] ", "prefix of console log lines")
     log_format: str = _opt("str", "console", f"log output format: {' or '.join(LOG_FORMATS)}", exposed=False)
 
+    # bounded queues (not in Go nsqd; 0 = unbounded, as nsqd)
+    topic_max_messages: int = _opt(
+        "int", 0, "most messages a topic may hold before publishes are refused (0 = no limit)", exposed=False
+    )
+    channel_max_messages: int = _opt(
+        "int", 0, "most messages a channel may hold before publishes to its topic are refused (0 = no limit)",
+        exposed=False,
+    )
+
     # AMQP gateway (not in Go nsqd)
     amqp_address: str = _opt(
         "str", "127.0.0.1:5672", "<addr>:<port> for the AMQP gateway (empty disables)", exposed=False
@@ -498,6 +507,8 @@ class Options:
         ):
             _need(getattr(self, name) > 0, f"{_flag(name)} must be > 0")
         _need(self.max_channel_consumers >= 0, "--max-channel-consumers must be >= 0")
+        _need(self.topic_max_messages >= 0, "--topic-max-messages must be >= 0")
+        _need(self.channel_max_messages >= 0, "--channel-max-messages must be >= 0")
 
         for value in self.e2e_processing_latency_percentiles:
             _need(0 < value <= 1, f"--e2e-processing-latency-percentile must be in (0,1], got {value}")

@@ -26,6 +26,7 @@ from . import message
 from .channel import ChannelExiting
 from .client_v2 import STATE_CLOSING, STATE_INIT, STATE_SUBSCRIBED, ClientV2
 from .names import is_valid_channel_name, is_valid_topic_name
+from .topic import QueueFull
 from .version import NSQD_VERSION
 
 if TYPE_CHECKING:
@@ -459,6 +460,8 @@ class ProtocolV2:
         try:
             topic = self.nsqd.get_topic(topic_name)
             put(topic)
+        except QueueFull as exc:  # the publisher may retry on the same connection
+            raise ClientError(f"E_{cmd}_FAILED", f"{cmd} failed {exc}", fatal=False) from None
         except Exception as exc:  # disk errors, exiting topics: the publisher must retry
             if isinstance(exc, ClientError):
                 raise

@@ -27,6 +27,10 @@ log = structlog.get_logger("nsqd.topic")
 BACKLOG_STEP = 2000
 
 
+class QueueFull(Exception):
+    """A publish would take a topic or one of its channels past its message limit."""
+
+
 class Topic:
     def __init__(
         self,
@@ -34,6 +38,8 @@ class Topic:
         *,
         mem_queue_size: int,
         backend: DiskQueue | None,
+        max_messages: int = 0,
+        channel_max_messages: int = 0,
         open_channel_backend: Callable[[str, str], DiskQueue | None],
         on_channels_changed: Callable[[Topic], None],
         on_backlog: Callable[[Topic], None],
@@ -43,6 +49,8 @@ class Topic:
         self.ephemeral = name.endswith("#ephemeral")
         self.mem_queue_size = mem_queue_size
         self.backend = backend
+        self.max_messages = max_messages
+        self.channel_max_messages = channel_max_messages
         self.channels: dict[str, Channel] = {}
         self.paused = False
         self.exiting = False
@@ -100,7 +108,33 @@ class Topic:
             self.delete_channel(channel.name)
 
     # ------------------------------------------------------------ publish
+    def room(self) -> int | None:
+        """How many more messages the limits allow; None when unbounded."""
+        room = None
+        if self.max_messages:
+            room = self.max_messages - self.depth
+        if self.channel_max_messages and self.channels:
+            deepest = max(c.depth for c in self.channels.values())
+            channel_room = self.channel_max_messages - deepest
+            room = channel_room if room is None else min(room, channel_room)
+        return room
+
+    @property
+    def accepting(self) -> bool:
+        room = self.room()
+        return room is None or room > 0
+
+    def _check_room(self, count: int) -> None:
+        if self.max_messages or self.channel_max_messages:
+            room = self.room()
+            if room is not None and count > room:
+                raise QueueFull(
+                    f"topic {self.name} is full: {count} more message(s) would pass its limit "
+                    f"(topic {self.max_messages or 'unbounded'}, "
+                    f"channel {self.channel_max_messages or 'unbounded'} messages)")
+
     def put_chunk(self, ids: list[bytes], frames: list[bytes], nbytes: int) -> None:
+        self._check_room(len(frames))
         self.message_count += len(frames)
         self.message_bytes += nbytes
         if self.channels and not self.paused:
@@ -110,6 +144,7 @@ class Topic:
             self._keep(ids, frames, 0)
 
     def put_deferred(self, frame: bytes, due_ns: int) -> None:
+        self._check_room(1)
         self.message_count += 1
         self.message_bytes += len(frame) - message.FRAME_OVERHEAD
         if self.channels and not self.paused:

@@ -105,6 +105,8 @@ EXPECTED_DEFAULTS = {
     "log_level": "info",
     "log_prefix": "[nsqd] ",
     "log_format": "console",
+    "topic_max_messages": 0,
+    "channel_max_messages": 0,
     "amqp_address": "127.0.0.1:5672",
 }
 
@@ -193,6 +195,8 @@ FLAG_SAMPLES = {
     "log_level": ("DEBUG", "debug"),
     "log_prefix": ("[x] ", "[x] "),
     "log_format": ("json", "json"),
+    "topic_max_messages": ("100", 100),
+    "channel_max_messages": ("50", 50),
     "amqp_address": ("0.0.0.0:5673", "0.0.0.0:5673"),
 }
 
@@ -684,6 +688,8 @@ def test_config_exposes_exactly_nsqds_names():
         "queue_scan_refresh_interval",
         "queue_scan_dirty_percent",
         "amqp_address",
+        "topic_max_messages",
+        "channel_max_messages",
         "log_format",
         "config",
         "bogus",

@@ -336,3 +336,24 @@ async def test_channel_overflow_spills_to_disk_and_all_arrive(tmp_path):
             await sub.command(b"FIN " + msg.id)
         assert sorted(got) == sorted(b"%d" % i for i in range(100))
         assert channel.depth == 0
+
+
+async def test_full_topic_refuses_publishes_while_others_accept(tmp_path):
+    async with running_nsqd(tmp_path, channel_max_messages=5) as nsqd:
+        conn = await subscriber(nsqd, "small", "c")
+        await conn.mpub("small", [b"1", b"2", b"3"])
+        await conn.command("MPUB small", mpub_body([b"4", b"5", b"6"]))
+        await conn.expect_error("E_MPUB_FAILED MPUB failed topic small is full")
+        await conn.pub("small", b"4")  # the connection lives on; what fits is taken
+        await conn.pub("other", b"x")
+        assert nsqd.topics["small"].channels["c"].depth == 4
+        assert not nsqd.topics["small"].accepting is False
+        await conn.pub("small", b"5")
+        assert nsqd.topics["small"].accepting is False
+        await conn.command("RDY 1")
+        msg = await conn.read_message()
+        await conn.command(b"FIN " + msg.id)
+        await conn.command("RDY 0")
+        with trio.fail_after(2):
+            while not nsqd.topics["small"].accepting:
+                await trio.sleep(0.01)
