@@ -17,9 +17,10 @@ if TYPE_CHECKING:
     from .channel import Channel, Lease
     from .options import Options
 
+#: Go nsqd's client state numbers, as /stats reports them
 STATE_INIT = 0
-STATE_SUBSCRIBED = 2
-STATE_CLOSING = 3
+STATE_SUBSCRIBED = 3
+STATE_CLOSING = 4
 
 #: a client with messages in flight refills only once this share of RDY is free,
 #: so a busy consumer gets big batches instead of one message per FIN

@@ -1,0 +1,598 @@
+"""nsqd's HTTP API: a small ASGI app of our own, served by hypercorn on Trio.
+
+Paths, parameters, status codes, bodies and headers follow Go nsqd 1.3
+(``nsqd/http.go`` and ``internal/http_api``), so nsqadmin, nsq_stat and
+scripts written against nsqd work unchanged. Responses come in Go's two
+styles: /ping answers plain text; everything else is "V1": an
+``X-NSQ-Content-Type`` header, JSON for structured answers, and errors as
+``{"message": "<CODE>"}``. Handlers touch the daemon synchronously; the only
+thing they await is the request body, which is never read past its limit.
+See docs/http.md for the endpoint reference and our differences from Go.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial
+from urllib.parse import unquote_to_bytes
+
+import hypercorn.trio
+import structlog
+import trio
+from hypercorn.config import Config, Sockets
+
+from . import message, stats
+from .channel import ChannelExiting
+from .names import is_valid_channel_name, is_valid_topic_name
+from .options import TLS_REQUIRED, OptionsError, parse_log_level, split_host_port
+from .protocol_v2 import ClientError, build_mpub
+from .topic import QueueFull
+from .version import NSQD_VERSION
+
+log = structlog.get_logger("nsqd.http")
+
+JSON_TYPE = b"application/json; charset=utf-8"
+TEXT_TYPE = b"text/plain; charset=utf-8"
+_V1_HEADER = (b"x-nsq-content-type", b"nsq; version=1.0")
+
+# Go's boolParams: anything else means "use the default"
+_BOOL_PARAMS = {"true": True, "1": True, "false": False, "0": False}
+_INT64 = re.compile(r"[+-]?[0-9]+\Z")
+_BAD_ESCAPE = re.compile(rb"%(?![0-9A-Fa-f]{2})")
+
+
+class HTTPError(Exception):
+    """A non-200 answer: the status and Go's message text."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body was read."""
+
+
+@dataclass(frozen=True)
+class Body:
+    """A response body with its content type (None: no Content-Type header)."""
+
+    data: bytes
+    content_type: bytes | None
+
+
+def json_body(value: object) -> Body:
+    return Body(stats.go_json(value), JSON_TYPE)
+
+
+def text_body(data: bytes | str) -> Body:
+    """Raw bytes; Go's net/http sniffs such bodies as text, and types empty ones not at all."""
+    if isinstance(data, str):
+        data = data.encode()
+    return Body(data, TEXT_TYPE if data else None)
+
+
+# ----------------------------------------------------------------- request
+
+
+def parse_query(raw: bytes) -> dict[str, list[str]]:
+    """Go's url.ParseQuery: ``&``-separated, ``+`` is a space; bad escapes and ``;`` are errors."""
+    values: dict[str, list[str]] = {}
+    for part in raw.split(b"&"):
+        if b";" in part:
+            raise ValueError("invalid semicolon separator in query")
+        if not part:
+            continue
+        key, _, value = part.partition(b"=")
+        values.setdefault(_unescape(key), []).append(_unescape(value))
+    return values
+
+
+def _unescape(text: bytes) -> str:
+    if _BAD_ESCAPE.search(text):
+        raise ValueError(f"invalid URL escape in {text!r}")
+    return unquote_to_bytes(text.replace(b"+", b" ")).decode("utf-8", "surrogateescape")
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    raw_query: bytes
+    content_length: int | None
+    receive: Callable[[], Awaitable[dict]]
+
+    @property
+    def uri(self) -> str:
+        query = self.raw_query.decode("latin-1")
+        return f"{self.path}?{query}" if query else self.path
+
+    def query(self) -> dict[str, list[str]]:
+        try:
+            return parse_query(self.raw_query)
+        except ValueError as exc:
+            log.error("failed to parse request params", uri=self.uri, error=str(exc))
+            raise HTTPError(400, "INVALID_REQUEST") from None
+
+    async def read_body(self, limit: int) -> bytes:
+        """The body, cut at ``limit + 1`` bytes: a longer result means "too big"."""
+        chunks: list[bytes] = []
+        size = 0
+        while size <= limit:
+            event = await self.receive()
+            if event["type"] == "http.disconnect":
+                raise ClientGone()
+            chunk = event.get("body", b"")
+            chunks.append(chunk)
+            size += len(chunk)
+            if not event.get("more_body", False):
+                break
+        return b"".join(chunks)[: limit + 1]
+
+
+def _first(query: dict[str, list[str]], key: str) -> str | None:
+    """Go's ReqParams.Get: the first value, or None when the key is absent."""
+    values = query.get(key)
+    return values[0] if values else None
+
+
+# --------------------------------------------------------------------- app
+
+
+Handler = Callable[..., Awaitable[object]]
+
+
+class HTTPAPI:
+    """The ASGI application: routing, Go's response styles, and the handlers."""
+
+    def __init__(self, nsqd) -> None:
+        self.nsqd = nsqd
+        # path -> method -> handler; /ping alone answers in plain text
+        self.routes: dict[str, dict[str, Handler]] = {
+            "/ping": {"GET": self.ping},
+            "/info": {"GET": self.info},
+            "/stats": {"GET": self.stats},
+            "/pub": {"POST": self.pub},
+            "/mpub": {"POST": self.mpub},
+            "/topic/create": {"POST": self.topic_create},
+            "/topic/delete": {"POST": self.topic_delete},
+            "/topic/empty": {"POST": self.topic_empty},
+            "/topic/pause": {"POST": partial(self.topic_pause, pause=True)},
+            "/topic/unpause": {"POST": partial(self.topic_pause, pause=False)},
+            "/channel/create": {"POST": self.channel_create},
+            "/channel/delete": {"POST": self.channel_delete},
+            "/channel/empty": {"POST": self.channel_empty},
+            "/channel/pause": {"POST": partial(self.channel_pause, pause=True)},
+            "/channel/unpause": {"POST": partial(self.channel_pause, pause=False)},
+            "/config/:opt": {"GET": self.config, "PUT": self.config},
+        }
+
+    async def __call__(self, scope: dict, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        started = time.perf_counter()
+        request = Request(
+            method=scope["method"],
+            path=scope["path"],
+            raw_query=scope["query_string"],
+            content_length=_content_length(scope["headers"]),
+            receive=receive,
+        )
+        try:
+            status, headers, body = await self.respond(request)
+        except ClientGone:
+            return
+        if body.content_type is not None:
+            headers.append((b"content-type", body.content_type))
+        headers.append((b"content-length", b"%d" % len(body.data)))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body.data})
+        client = scope.get("client") or ("", 0)
+        log.debug("http request", status=status, method=request.method, uri=request.uri,
+                  remote=f"{client[0]}:{client[1]}", elapsed_ms=round((time.perf_counter() - started) * 1000, 3))
+
+    async def respond(self, request: Request) -> tuple[int, list[tuple[bytes, bytes]], Body]:
+        """Route the request and shape the answer in the handler's style."""
+        if self.nsqd.options.tls_required == TLS_REQUIRED:
+            # nsqd refuses plain HTTP outright when TLS is required everywhere
+            https_port = split_host_port(self.nsqd.options.https_address)[1] if self.nsqd.options.https_address else 0
+            data = b'{"message": "TLS_REQUIRED", "https_port": %d}' % https_port
+            return 403, [_V1_HEADER], Body(data, JSON_TYPE)
+        methods, params = self._match(request.path)
+        if methods is None:
+            return _v1_error(404, "NOT_FOUND")
+        handler = methods.get(request.method)
+        if handler is None:
+            allow = ", ".join(sorted([*methods, "OPTIONS"])).encode()
+            if request.method == "OPTIONS":
+                return 200, [(b"allow", allow)], Body(b"", None)
+            status, headers, body = _v1_error(405, "METHOD_NOT_ALLOWED")
+            return status, [(b"allow", allow), *headers], body
+        status, result = await self._run(handler, request, params)
+        if request.path == "/ping":  # Go's PlainText style
+            return status, [], text_body(result)
+        if status != 200:
+            return _v1_error(status, result)
+        return 200, [_V1_HEADER], _v1_body(result)
+
+    @staticmethod
+    async def _run(handler: Handler, request: Request, params: dict[str, str]) -> tuple[int, object]:
+        """The handler's status and result; any failure becomes a status and Go's message."""
+        try:
+            return 200, await handler(request, **params)
+        except ClientGone:
+            raise
+        except HTTPError as err:
+            return err.status, err.message
+        except Exception:
+            log.exception("HTTP handler failed", method=request.method, uri=request.uri)
+            return 500, "INTERNAL_ERROR"
+
+    def _match(self, path: str) -> tuple[dict[str, Handler] | None, dict[str, str]]:
+        methods = self.routes.get(path)
+        if methods is not None:
+            return methods, {}
+        opt = path.removeprefix("/config/")
+        if opt != path and opt and "/" not in opt:
+            return self.routes["/config/:opt"], {"opt": opt}
+        return None, {}
+
+    # ------------------------------------------------------------ helpers
+    def _get_topic(self, name: str):
+        try:
+            return self.nsqd.get_topic(name)
+        except RuntimeError:  # the daemon is shutting down
+            raise HTTPError(503, "EXITING") from None
+
+    def _existing_topic(self, name: str):
+        topic = self.nsqd.get_existing_topic(name)
+        if topic is None:
+            raise HTTPError(404, "TOPIC_NOT_FOUND")
+        return topic
+
+    @staticmethod
+    def _topic_arg(query: dict[str, list[str]]) -> str:
+        """The topic of /pub, /mpub, /topic/create and /topic/empty."""
+        name = _first(query, "topic")
+        if name is None:
+            raise HTTPError(400, "MISSING_ARG_TOPIC")
+        if not is_valid_topic_name(name):
+            raise HTTPError(400, "INVALID_TOPIC")
+        return name
+
+    def _topic_and_channel(self, request: Request):
+        """The existing topic and the channel name of a /channel/* request."""
+        query = request.query()
+        topic_name = _first(query, "topic")
+        if topic_name is None:
+            raise HTTPError(400, "MISSING_ARG_TOPIC")
+        if not is_valid_topic_name(topic_name):
+            raise HTTPError(400, "INVALID_ARG_TOPIC")
+        channel_name = _first(query, "channel")
+        if channel_name is None:
+            raise HTTPError(400, "MISSING_ARG_CHANNEL")
+        if not is_valid_channel_name(channel_name):
+            raise HTTPError(400, "INVALID_ARG_CHANNEL")
+        return self._existing_topic(topic_name), channel_name
+
+    def _existing_channel(self, request: Request):
+        topic, channel_name = self._topic_and_channel(request)
+        channel = topic.channels.get(channel_name)
+        if channel is None:
+            raise HTTPError(404, "CHANNEL_NOT_FOUND")
+        return channel
+
+    @staticmethod
+    def _put(cmd: str, topic_name: str, put: Callable[[], None]) -> None:
+        try:
+            put()
+        except ChannelExiting:
+            raise HTTPError(503, "EXITING") from None
+        except QueueFull as exc:  # a bounded topic or channel is at its limit
+            raise HTTPError(503, f"{cmd}_FAILED: {exc}") from None
+        except Exception as exc:  # disk errors: the publisher must retry
+            log.error("publish failed", cmd=cmd, topic=topic_name, error=str(exc))
+            raise HTTPError(500, f"{cmd}_FAILED: {exc}") from None
+
+    # ------------------------------------------------------------ handlers
+    async def ping(self, request: Request) -> str:
+        if self.nsqd.health != "OK":
+            raise HTTPError(500, self.nsqd.health)
+        return "OK"
+
+    async def info(self, request: Request) -> dict:
+        nsqd = self.nsqd
+        opts = nsqd.options
+        return {
+            "version": NSQD_VERSION,
+            "broadcast_address": opts.broadcast_address,
+            "hostname": socket.gethostname(),
+            "http_port": nsqd.http_addresses[0][1] if nsqd.http_addresses else -1,
+            "tcp_port": nsqd.tcp_addresses[0][1] if nsqd.tcp_addresses else -1,
+            "start_time": int(nsqd.start_time),
+            "max_heartbeat_interval": opts.config_value("max_heartbeat_interval"),
+            "max_output_buffer_size": opts.max_output_buffer_size,
+            "max_output_buffer_timeout": opts.config_value("max_output_buffer_timeout"),
+            "max_deflate_level": opts.max_deflate_level,
+            "topology_zone": opts.topology_zone,
+            "topology_region": opts.topology_region,
+        }
+
+    async def stats(self, request: Request) -> Body:
+        query = request.query()
+        snap = stats.snapshot(
+            self.nsqd,
+            topic=_first(query, "topic") or None,
+            channel=_first(query, "channel") or None,
+            include_clients=_BOOL_PARAMS.get(_first(query, "include_clients"), True),
+            include_mem=_BOOL_PARAMS.get(_first(query, "include_mem"), True),
+        )
+        if _first(query, "format") == "json":
+            return Body(stats.render_json(snap), JSON_TYPE)
+        return text_body(stats.render_text(snap))
+
+    async def pub(self, request: Request) -> str:
+        nsqd = self.nsqd
+        opts = nsqd.options
+        if request.content_length is not None and request.content_length > opts.max_msg_size:
+            raise HTTPError(413, "MSG_TOO_BIG")
+        body = await request.read_body(opts.max_msg_size)
+        if len(body) > opts.max_msg_size:
+            raise HTTPError(413, "MSG_TOO_BIG")
+        if not body:
+            raise HTTPError(400, "MSG_EMPTY")
+        query = request.query()
+        topic_name = self._topic_arg(query)
+        defer_ns = 0
+        defer = _first(query, "defer")
+        if defer is not None:
+            if not _INT64.match(defer) or not -(2**63) <= int(defer) < 2**63:
+                raise HTTPError(400, "INVALID_DEFER")
+            defer_ns = int(defer) * 1_000_000
+            if not 0 <= defer_ns <= round(opts.max_req_timeout * 1e9):
+                raise HTTPError(400, "INVALID_DEFER")
+        topic = self._get_topic(topic_name)
+        msg_id = nsqd.guid.new_id()
+        now_ns = nsqd.now_ns()
+        frame = message.encode_frame(msg_id, body, now_ns)
+        if defer_ns:
+            self._put("PUB", topic_name, lambda: topic.put_deferred(frame, now_ns + defer_ns))
+        else:
+            self._put("PUB", topic_name, lambda: topic.put_chunk([msg_id], [frame], len(body)))
+        return "OK"
+
+    async def mpub(self, request: Request) -> str:
+        nsqd = self.nsqd
+        opts = nsqd.options
+        if request.content_length is not None and request.content_length > opts.max_body_size:
+            raise HTTPError(413, "BODY_TOO_BIG")
+        query = request.query()
+        topic_name = self._topic_arg(query)
+        binary = False
+        binary_param = _first(query, "binary")
+        if binary_param is not None:
+            binary = _BOOL_PARAMS.get(binary_param, True)
+            if binary_param not in _BOOL_PARAMS:
+                log.warning("deprecated value used for /mpub binary param", value=binary_param)
+        body = await request.read_body(opts.max_body_size)
+        if len(body) > opts.max_body_size:
+            raise HTTPError(413, "BODY_TOO_BIG")
+        now_ns = nsqd.now_ns()
+        if binary:
+            try:
+                ids, frames, nbytes = build_mpub(body, nsqd.guid, now_ns, opts.max_msg_size, opts.max_body_size)
+            except ClientError as err:
+                raise HTTPError(413, err.code.removeprefix("E_")) from None
+        else:
+            # one message per line; empty lines are skipped, as nsqd does
+            bodies = [line for line in body.split(b"\n") if line]
+            if any(len(line) > opts.max_msg_size for line in bodies):
+                raise HTTPError(413, "MSG_TOO_BIG")
+            ids = nsqd.guid.new_ids(len(bodies)) if bodies else []
+            frames = [message.encode_frame(i, b, now_ns) for i, b in zip(ids, bodies)]
+            nbytes = sum(map(len, bodies))
+        topic = self._get_topic(topic_name)
+        if frames:
+            self._put("MPUB", topic_name, lambda: topic.put_chunk(ids, frames, nbytes))
+        return "OK"
+
+    async def topic_create(self, request: Request) -> None:
+        self._get_topic(self._topic_arg(request.query()))
+
+    async def topic_delete(self, request: Request) -> None:
+        name = _first(request.query(), "topic")
+        if name is None:
+            raise HTTPError(400, "MISSING_ARG_TOPIC")
+        self._existing_topic(name)
+        self.nsqd.delete_topic(name)
+
+    async def topic_empty(self, request: Request) -> None:
+        self._existing_topic(self._topic_arg(request.query())).empty()
+
+    async def topic_pause(self, request: Request, *, pause: bool) -> None:
+        name = _first(request.query(), "topic")
+        if name is None:
+            raise HTTPError(400, "MISSING_ARG_TOPIC")
+        topic = self._existing_topic(name)
+        if pause:
+            topic.pause()
+        else:
+            topic.unpause()
+        self.nsqd.persist_metadata_soon()
+
+    async def channel_create(self, request: Request) -> None:
+        topic, channel_name = self._topic_and_channel(request)
+        try:
+            topic.get_channel(channel_name)
+        except ChannelExiting:
+            raise HTTPError(503, "EXITING") from None
+
+    async def channel_delete(self, request: Request) -> None:
+        topic, channel_name = self._topic_and_channel(request)
+        if channel_name not in topic.channels:
+            raise HTTPError(404, "CHANNEL_NOT_FOUND")
+        self.nsqd.delete_channel(topic, channel_name)
+
+    async def channel_empty(self, request: Request) -> None:
+        self._existing_channel(request).empty()
+
+    async def channel_pause(self, request: Request, *, pause: bool) -> None:
+        channel = self._existing_channel(request)
+        if pause:
+            channel.pause()
+        else:
+            channel.unpause()
+        self.nsqd.persist_metadata_soon()
+
+    async def config(self, request: Request, opt: str) -> Body:
+        opts = self.nsqd.options
+        if request.method == "PUT":
+            body = await request.read_body(opts.max_msg_size)
+            if not body or len(body) > opts.max_msg_size:
+                raise HTTPError(413, "INVALID_VALUE")
+            if opt == "nsqlookupd_tcp_addresses":
+                opts.lookupd_tcp_addresses = _lookupd_addresses(body)
+            elif opt == "log_level":
+                try:
+                    opts.log_level = parse_log_level(body.decode())
+                except (OptionsError, UnicodeDecodeError):
+                    raise HTTPError(400, "INVALID_VALUE") from None
+                _apply_log_level(opts)
+            else:
+                raise HTTPError(400, "INVALID_OPTION")
+            log.info("option changed", option=opt, value=opts.config_value(opt))
+        data = opts.config_json(opt)
+        if data is None:
+            raise HTTPError(400, "INVALID_OPTION")
+        if isinstance(opts.config_value(opt), str):
+            return text_body(data)
+        return Body(data, JSON_TYPE)
+
+
+def _lookupd_addresses(body: bytes) -> list[str]:
+    """A JSON list of host:port strings (null clears it); anything else is INVALID_VALUE."""
+    try:
+        value = json.loads(body)
+        if value is None:
+            return []
+        if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
+            raise ValueError("not a list of strings")
+        for address in value:
+            split_host_port(address)
+    except ValueError:  # also OptionsError and JSON errors
+        raise HTTPError(400, "INVALID_VALUE") from None
+    return value
+
+
+def _apply_log_level(opts) -> None:
+    """Re-apply logging when the CLI configured it (an embedding app keeps its own)."""
+    if structlog.is_configured():
+        from .cli import configure_logging
+
+        configure_logging(opts)
+
+
+def _v1_body(result: object) -> Body:
+    """Go's RespondV1 for a 200: strings and bytes raw, nothing empty, the rest JSON."""
+    if isinstance(result, Body):
+        return result
+    if result is None:
+        return Body(b"", None)
+    if isinstance(result, (str, bytes)):
+        return text_body(result)
+    return json_body(result)
+
+
+def _v1_error(status: int, message: str) -> tuple[int, list[tuple[bytes, bytes]], Body]:
+    return status, [_V1_HEADER], json_body({"message": message})
+
+
+def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    for name, value in headers:
+        if name == b"content-length":
+            return int(value) if value.isdigit() else None
+    return None
+
+
+async def _lifespan(receive, send) -> None:
+    while True:
+        event = await receive()
+        if event["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif event["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+# ------------------------------------------------------------------ server
+
+
+class _HypercornLog:
+    """Hypercorn's own messages, through structlog; its access log is off (we log requests at debug)."""
+
+    def __init__(self, config: Config) -> None:
+        self._log = structlog.get_logger("nsqd.http")
+
+    async def access(self, request, response, request_time) -> None:
+        return None
+
+    async def info(self, message: str, *args, **kwargs) -> None:
+        self._log.debug(message, *args)
+
+    async def warning(self, message: str, *args, **kwargs) -> None:
+        self._log.warning(message, *args)
+
+    async def error(self, message: str, *args, **kwargs) -> None:
+        self._log.error(message, *args)
+
+    async def critical(self, message: str, *args, **kwargs) -> None:
+        self._log.critical(message, *args)
+
+    async def exception(self, message: str, *args, **kwargs) -> None:
+        self._log.exception(message, *args)
+
+
+class _Config(Config):
+    """Hypercorn's config, serving a socket we bound ourselves (so we know its port)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__()
+        self._sock = sock
+        self.accesslog = None
+        self.logger_class = _HypercornLog
+        self.include_server_header = False
+
+    def create_sockets(self) -> Sockets:
+        return Sockets(secure_sockets=[], insecure_sockets=[self._sock], quic_sockets=[])
+
+
+async def _listen(address: str) -> socket.socket:
+    """A listening socket on "host:port"; an empty host means every IPv4 interface."""
+    host, port = split_host_port(address)
+    family, _, _, _, sockaddr = (await trio.socket.getaddrinfo(
+        host or "0.0.0.0", port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE))[0]
+    sock = socket.create_server(sockaddr, family=family)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setblocking(False)
+    return sock
+
+
+async def serve_http(nsqd, address: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve the API on ``address`` ("host:port", port 0 for any) until cancelled.
+
+    Reports the (host, port) actually bound through ``task_status`` as soon as
+    the socket listens; connections made before hypercorn accepts wait in the
+    backlog.
+    """
+    with await _listen(address) as sock:
+        task_status.started([sock.getsockname()[:2]])
+        await hypercorn.trio.serve(HTTPAPI(nsqd), _Config(sock), mode="asgi")

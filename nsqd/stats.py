@@ -1,0 +1,385 @@
+"""A point-in-time stats snapshot of the daemon, and its JSON and text forms.
+
+One snapshot feeds every reader (``GET /stats``, metrics exporters, the AMQP
+gateway), so they all agree on what a number means. The snapshot is taken in
+one synchronous pass (no awaits), so it is consistent, and it is made of
+frozen dataclasses sorted by name, so it can be handed around freely.
+
+Field names and their order are Go nsqd's JSON keys (``nsqd/stats.go`` and
+``ClientV2Stats``), so the JSON renderer needs no mapping table. Consumers are
+read with ``getattr`` defaults because a channel's consumer need not be a TCP
+client: anything with an ``in_flight`` collection renders.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import platform
+import resource
+import sys
+import time
+from dataclasses import dataclass, field, fields, is_dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from .client_v2 import STATE_INIT
+from .options import format_duration
+from .version import NSQD_VERSION
+
+if TYPE_CHECKING:
+    from .channel import Channel
+    from .nsqd import NSQD
+    from .topic import Topic
+
+#: Go's ``omitempty``: the key is left out when the value is false/empty
+OMITEMPTY = {"omitempty": True}
+#: not part of the JSON document (used by the text form only)
+NOT_JSON = {"json": False}
+
+
+@dataclass(frozen=True)
+class E2eLatency:
+    """End-to-end processing latency quantiles: not tracked yet, so always empty
+    (and the text form's ``e2e%:`` column blank)."""
+
+    count: int = 0
+    percentiles: tuple = ()
+
+
+@dataclass(frozen=True)
+class PubCount:
+    topic: str
+    count: int
+
+
+@dataclass(frozen=True)
+class ClientStats:
+    client_id: str
+    hostname: str
+    version: str
+    remote_address: str
+    state: int
+    ready_count: int
+    in_flight_count: int
+    message_count: int
+    finish_count: int
+    requeue_count: int
+    connect_ts: int
+    sample_rate: int
+    deflate: bool
+    snappy: bool
+    user_agent: str
+    authed: bool = field(metadata=OMITEMPTY)
+    auth_identity: str = field(metadata=OMITEMPTY)
+    auth_identity_url: str = field(metadata=OMITEMPTY)
+    topology_zone: str
+    topology_region: str
+    pub_counts: tuple[PubCount, ...] = field(metadata=OMITEMPTY)
+    tls: bool
+    tls_cipher_suite: str
+    tls_version: str
+    tls_negotiated_protocol: str
+    tls_negotiated_protocol_is_mutual: bool
+
+
+@dataclass(frozen=True)
+class ChannelStats:
+    channel_name: str
+    depth: int
+    backend_depth: int
+    in_flight_count: int
+    deferred_count: int
+    message_count: int
+    requeue_count: int
+    timeout_count: int
+    client_count: int
+    clients: tuple[ClientStats, ...]
+    paused: bool
+    e2e_processing_latency: E2eLatency
+
+
+@dataclass(frozen=True)
+class TopicStats:
+    topic_name: str
+    channels: tuple[ChannelStats, ...]
+    depth: int
+    backend_depth: int
+    message_count: int
+    message_bytes: int
+    paused: bool
+    e2e_processing_latency: E2eLatency
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """Go's runtime memory figures, mapped onto what CPython can tell cheaply.
+
+    ``heap_objects`` is the count of allocated blocks, ``heap_in_use_bytes``
+    the resident set size, ``gc_total_runs`` the collections of all
+    generations; figures CPython has no equivalent for are 0.
+    """
+
+    heap_objects: int
+    heap_idle_bytes: int
+    heap_in_use_bytes: int
+    heap_released_bytes: int
+    gc_pause_usec_100: int
+    gc_pause_usec_99: int
+    gc_pause_usec_95: int
+    next_gc_bytes: int
+    gc_total_runs: int
+
+
+@dataclass(frozen=True)
+class NSQDStats:
+    version: str
+    health: str
+    start_time: int
+    topics: tuple[TopicStats, ...]
+    memory: MemoryStats | None = field(metadata=OMITEMPTY)
+    producers: tuple[ClientStats, ...]
+    uptime: float = field(metadata=NOT_JSON)
+
+
+# --------------------------------------------------------------- snapshot
+
+
+def snapshot(
+    nsqd: NSQD,
+    topic: str | None = None,
+    channel: str | None = None,
+    include_clients: bool = True,
+    include_mem: bool = False,
+) -> NSQDStats:
+    """The daemon's stats, optionally narrowed to one topic and/or channel name.
+
+    As in nsqd, a topic without the requested channel is left out, and
+    producers (clients that published) are listed whatever the topic filter,
+    each with its publish counts for that topic only.
+    """
+    if topic:
+        found = nsqd.topics.get(topic)
+        topics = [found] if found is not None else []
+    else:
+        topics = sorted(nsqd.topics.values(), key=lambda t: t.name)
+    topic_stats = []
+    for t in topics:
+        if channel:
+            found_channel = t.channels.get(channel)
+            if found_channel is None:
+                continue
+            channels = [found_channel]
+        else:
+            channels = sorted(t.channels.values(), key=lambda c: c.name)
+        channel_stats = tuple(_channel_stats(c, topic, include_clients) for c in channels)
+        topic_stats.append(_topic_stats(t, channel_stats))
+    producers: tuple[ClientStats, ...] = ()
+    if include_clients:
+        producers = tuple(
+            client_stats(c, topic)
+            for _, c in sorted(nsqd.clients.items())
+            if getattr(c, "pub_counts", None)
+        )
+    now = time.time()
+    return NSQDStats(
+        version=NSQD_VERSION,
+        health=nsqd.health,
+        start_time=int(nsqd.start_time),
+        topics=tuple(topic_stats),
+        memory=memory_stats() if include_mem else None,
+        producers=producers,
+        uptime=max(now - nsqd.start_time, 0.0),
+    )
+
+
+def _topic_stats(t: Topic, channels: tuple[ChannelStats, ...]) -> TopicStats:
+    return TopicStats(
+        topic_name=t.name,
+        channels=channels,
+        depth=t.depth,
+        backend_depth=t.backend_depth,
+        message_count=t.message_count,
+        message_bytes=t.message_bytes,
+        paused=t.paused,
+        e2e_processing_latency=E2eLatency(),
+    )
+
+
+def _channel_stats(c: Channel, topic_filter: str | None, include_clients: bool) -> ChannelStats:
+    consumers = sorted(c.consumers.items(), key=lambda item: item[0])
+    clients = tuple(client_stats(consumer, topic_filter) for _, consumer in consumers) if include_clients else ()
+    return ChannelStats(
+        channel_name=c.name,
+        depth=c.depth,
+        backend_depth=c.backend_depth,
+        in_flight_count=c.in_flight_count,
+        deferred_count=c.deferred_count,
+        message_count=c.message_count,
+        requeue_count=c.requeue_count,
+        timeout_count=c.timeout_count,
+        client_count=len(consumers),
+        clients=clients,
+        paused=c.paused,
+        e2e_processing_latency=E2eLatency(),
+    )
+
+
+def client_stats(client: object, topic_filter: str | None = None) -> ClientStats:
+    """One connection's stats; attributes a consumer lacks read as zero/empty."""
+
+    def get(name: str, default=""):
+        return getattr(client, name, default)
+
+    pub_counts = get("pub_counts", None) or {}
+    state = get("state", STATE_INIT)
+    return ClientStats(
+        client_id=get("client_id"),
+        hostname=get("hostname"),
+        version=get("version", "V2"),
+        remote_address=get("remote_address"),
+        state=state,
+        ready_count=get("ready_count", 0),
+        in_flight_count=len(get("in_flight", ())),
+        message_count=get("message_count", 0),
+        finish_count=get("finish_count", 0),
+        requeue_count=get("requeue_count", 0),
+        connect_ts=int(get("connect_ts", 0)),
+        sample_rate=get("sample_rate", 0),
+        deflate=bool(get("deflate", False)),
+        snappy=bool(get("snappy", False)),
+        user_agent=get("user_agent"),
+        authed=bool(get("authed", False)),
+        auth_identity=get("auth_identity"),
+        auth_identity_url=get("auth_identity_url"),
+        topology_zone=get("topology_zone"),
+        topology_region=get("topology_region"),
+        pub_counts=tuple(
+            PubCount(name, count)
+            for name, count in sorted(pub_counts.items())
+            if not topic_filter or name == topic_filter
+        ),
+        tls=bool(get("tls", False)),
+        tls_cipher_suite=get("tls_cipher_suite"),
+        tls_version=get("tls_version"),
+        tls_negotiated_protocol=get("tls_negotiated_protocol"),
+        tls_negotiated_protocol_is_mutual=bool(get("tls_negotiated_protocol_is_mutual", False)),
+    )
+
+
+def memory_stats() -> MemoryStats:
+    return MemoryStats(
+        heap_objects=sys.getallocatedblocks(),
+        heap_idle_bytes=0,
+        heap_in_use_bytes=_rss_bytes(),
+        heap_released_bytes=0,
+        gc_pause_usec_100=0,
+        gc_pause_usec_99=0,
+        gc_pause_usec_95=0,
+        next_gc_bytes=0,
+        gc_total_runs=sum(generation["collections"] for generation in gc.get_stats()),
+    )
+
+
+def _rss_bytes() -> int:
+    """Current resident set size (Linux), else the peak the OS reports."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * resource.getpagesize()
+    except (OSError, IndexError, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# ------------------------------------------------------------------- JSON
+
+
+def to_json_value(obj: object) -> object:
+    """Plain JSON data for a stats object, keys in Go's order, omitempty applied."""
+    if is_dataclass(obj):
+        out = {}
+        for f in fields(obj):
+            if f.metadata.get("json") is False:
+                continue
+            value = getattr(obj, f.name)
+            if f.metadata.get("omitempty") and not value:
+                continue
+            out[f.name] = to_json_value(value)
+        return out
+    if isinstance(obj, (tuple, list)):
+        return [to_json_value(item) for item in obj]
+    return obj
+
+
+_GO_ESCAPES = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def go_json(value: object) -> bytes:
+    """Compact JSON escaped as Go's encoding/json writes it."""
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return text.translate(_GO_ESCAPES).encode()
+
+
+def render_json(stats: NSQDStats) -> bytes:
+    return go_json(to_json_value(stats))
+
+
+# ------------------------------------------------------------------- text
+
+
+def render_text(stats: NSQDStats) -> bytes:
+    """The human-readable form, laid out as Go nsqd's printStats."""
+    now = time.time()
+    started = datetime.fromtimestamp(stats.start_time).astimezone()
+    stamp = started.isoformat(timespec="seconds").replace("+00:00", "Z")
+    lines = [
+        f"nsqd v{stats.version} (built w/python{platform.python_version()})",
+        f"start_time {stamp}",
+        f"uptime {format_duration(stats.uptime)}",
+        "",
+        f"Health: {stats.health}",
+    ]
+    if stats.memory is not None:
+        lines += ["", "Memory:"]
+        lines += [f"   {f.name:<25}\t{getattr(stats.memory, f.name)}" for f in fields(stats.memory)]
+    if not stats.topics:
+        lines += ["", "Topics: None"]
+    else:
+        lines += ["", "Topics:"]
+    for t in stats.topics:
+        mark = "*P " if t.paused else "   "
+        lines += [
+            "",
+            f"{mark}[{t.topic_name:<15}] depth: {t.depth:<5} be-depth: {t.backend_depth:<5} "
+            f"msgs: {t.message_count:<8} e2e%: ",
+        ]
+        for c in t.channels:
+            mark = "   *P " if c.paused else "      "
+            lines.append(
+                f"{mark}[{c.channel_name:<25}] depth: {c.depth:<5} be-depth: {c.backend_depth:<5} "
+                f"inflt: {c.in_flight_count:<4} def: {c.deferred_count:<4} re-q: {c.requeue_count:<5} "
+                f"timeout: {c.timeout_count:<5} msgs: {c.message_count:<8} e2e%: "
+            )
+            lines += [f"        {client_text(client, now)}" for client in c.clients]
+    if not stats.producers:
+        lines += ["", "Producers: None"]
+    else:
+        lines += ["", "Producers:"]
+        lines += [f"   {client_text(client, now)}" for client in stats.producers]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def client_text(c: ClientStats, now: float) -> str:
+    """One client line, as Go's ClientV2Stats.String()."""
+    port = c.remote_address.rpartition(":")[2]
+    ident = f"{c.hostname}:{port} {c.user_agent}"
+    connected = format_duration(max(int(now) - c.connect_ts, 0))
+    if c.pub_counts:
+        total = sum(p.count for p in c.pub_counts)
+        topics = ",".join(f"{p.topic}={p.count}" for p in c.pub_counts)
+        return f"[{c.version} {ident:<21}] msgs: {total:<8} topics: {topics} connected: {connected}"
+    return (
+        f"[{c.version} {ident:<21}] state: {c.state} inflt: {c.in_flight_count:<4} "
+        f"rdy: {c.ready_count:<4} fin: {c.finish_count:<8} re-q: {c.requeue_count:<8} "
+        f"msgs: {c.message_count:<8} connected: {connected}"
+    )
+
