@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable
 from .in_flight import InFlight
 
 if TYPE_CHECKING:
+    from .auth import AuthState
     from .channel import Channel, Lease
     from .options import Options
 
@@ -47,6 +48,10 @@ class ClientV2:
         self.tls = self.snappy = self.deflate = False
         self.authed = False
         self.auth_identity = self.auth_identity_url = ""
+        self.auth_state: AuthState | None = None
+        self.auth_secret = ""
+        self.tls_version = self.tls_cipher_suite = self.tls_negotiated_protocol = ""
+        self.tls_negotiated_protocol_is_mutual = False
         # subscription and flow control
         self.channel: Channel | None = None
         self.ready_count = 0

@@ -28,12 +28,12 @@ from pathlib import Path
 import structlog
 import trio
 
-from . import diskq, message
+from . import diskq, message, tls
 from .diskq import goimport
 from .channel import Channel
 from .client_v2 import ClientV2
 from .guid import GUIDFactory
-from .options import Options, split_host_port
+from .options import TLS_NOT_REQUIRED, Options, OptionsError, split_host_port
 from .topic import Topic
 from .version import NSQD_VERSION
 
@@ -49,6 +49,9 @@ class NSQD:
         self.topics: dict[str, Topic] = {}
         self.clients: dict[int, ClientV2] = {}
         self.guid = GUIDFactory(options.node_id)
+        self.tls_context = tls.server_context(options)
+        if options.tls_required != TLS_NOT_REQUIRED and self.tls_context is None:
+            raise OptionsError("--tls-required needs --tls-cert and --tls-key")
         self.start_time = time.time()
         self.tcp_addresses: list[tuple[str, int]] = []
         self.http_addresses: list[tuple[str, int]] = []

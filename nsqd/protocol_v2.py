@@ -25,6 +25,7 @@ import structlog
 from . import message
 from .channel import ChannelExiting
 from .client_v2 import STATE_CLOSING, STATE_INIT, STATE_SUBSCRIBED, ClientV2
+from .options import TLS_NOT_REQUIRED
 from .names import is_valid_channel_name, is_valid_topic_name
 from .topic import QueueFull
 from .version import NSQD_VERSION
@@ -56,6 +57,10 @@ class ClientError(Exception):
         self.code = code
         self.desc = desc
         self.fatal = fatal
+
+
+class AuthRefresh(Exception):
+    """The client's authorization expired: ask the auth server again, then retry."""
 
 
 class V2Parser:
@@ -156,6 +161,12 @@ class ProtocolV2:
         opts = nsqd.options
         self.parser = V2Parser(opts.max_msg_size, opts.max_body_size)
         self.closed = False
+        #: async steps the I/O layer must perform before :meth:`resume`:
+        #: ("tls",), ("snappy",), ("deflate", level), ("auth",)
+        self.pending: list[tuple] = []
+        self._stash: list[tuple[bytes, list, bytes | None]] = []
+        self.auth_enabled = bool(opts.auth_http_addresses)
+        self.tls_required = opts.tls_required != TLS_NOT_REQUIRED
         self._handlers = {
             b"IDENTIFY": self.IDENTIFY, b"SUB": self.SUB, b"RDY": self.RDY, b"FIN": self.FIN,
             b"REQ": self.REQ, b"TOUCH": self.TOUCH, b"PUB": self.PUB, b"MPUB": self.MPUB,
@@ -164,12 +175,25 @@ class ProtocolV2:
         }
 
     def receive_data(self, data: bytes, now_ns: int) -> None:
-        """Parse and execute every complete command; set :attr:`closed` on a fatal error."""
+        """Parse and execute every complete command; set :attr:`closed` on a fatal error.
+
+        A command that needs I/O (a TLS or compression upgrade, an auth server
+        query) leaves its steps in :attr:`pending` and the commands after it
+        waiting until :meth:`resume`.
+        """
         self.parser.receive_data(data)
+        self._run(self.parser.commands(), now_ns)
+
+    def resume(self, now_ns: int) -> None:
+        """Go on with the commands that waited for the pending steps."""
+        commands, self._stash = self._stash, []
+        self._run(commands, now_ns)
+
+    def _run(self, commands: list[tuple[bytes, list, bytes | None]], now_ns: int) -> None:
         client = self.client
         out = client.out
-        for name, params, body in self.parser.commands():
-            if name is FIN_BATCH:
+        for index, (name, params, body) in enumerate(commands):
+            if name is FIN_BATCH and not self.tls_required:
                 self._fin_many(params)
                 if self.closed:
                     return
@@ -177,10 +201,22 @@ class ProtocolV2:
             try:
                 if name is PARSE_ERROR:
                     raise ClientError(*params)
+                if name is FIN_BATCH:
+                    self._check_tls(b"FIN")
+                    self._fin_many(params)
+                    if self.closed:
+                        return
+                    continue
                 handler = self._handlers.get(name)
                 if handler is None:
                     raise ClientError("E_INVALID", f"invalid command {name.decode(errors='replace')}")
+                if name != b"IDENTIFY":
+                    self._check_tls(name)
                 response = handler(params, body, now_ns)
+            except AuthRefresh:
+                self.pending.append(("auth",))
+                self._stash = commands[index:]
+                return
             except ClientError as err:
                 log.log(30 if err.fatal else 20, "client error", client=client.remote_address,
                         error=str(err))
@@ -191,8 +227,26 @@ class ProtocolV2:
                 continue
             if response is not None:
                 out.append(response)
+            if self.pending:
+                self._stash = commands[index + 1:]
+                return
 
     # ------------------------------------------------------------ helpers
+    def _check_tls(self, name: bytes) -> None:
+        if self.tls_required and not self.client.tls:
+            raise ClientError("E_INVALID", f"cannot {name.decode(errors='replace')} in current state (TLS required)")
+
+    def _check_auth(self, cmd: str, topic: str, channel: str = "") -> None:
+        if not self.auth_enabled:
+            return
+        state = self.client.auth_state
+        if state is None:
+            raise ClientError("E_AUTH_FIRST", f"AUTH required before {cmd}")
+        if state.is_expired(self.nsqd.now_ns() / 1e9):
+            raise AuthRefresh()
+        if not state.allows(topic, channel):
+            raise ClientError("E_UNAUTHORIZED", f"AUTH failed for {cmd} on {_go_quote(topic)} {_go_quote(channel)}")
+
     def _require_state(self, cmd: str, *states: int) -> None:
         if self.client.state not in states:
             raise ClientError("E_INVALID", f"cannot {cmd} in current state")
@@ -242,18 +296,35 @@ class ProtocolV2:
         client.on_wake()  # the pump re-reads the heartbeat interval
         if not client.feature_negotiation:
             return _OK
+        tls_v1 = self.nsqd.tls_context is not None and bool(data.get("tls_v1"))
+        deflate = opts.deflate and bool(data.get("deflate"))
+        snappy = opts.snappy and bool(data.get("snappy"))
+        level = 6
+        if deflate:
+            requested = data.get("deflate_level", 0)
+            if isinstance(requested, int) and requested > 0:
+                level = requested
+        level = min(level, opts.max_deflate_level)
+        if deflate and snappy:
+            raise ClientError("E_IDENTIFY_FAILED", "cannot enable both deflate and snappy compression")
+        if tls_v1:
+            self.pending.append(("tls",))
+        if snappy:
+            self.pending.append(("snappy",))
+        if deflate:
+            self.pending.append(("deflate", level))
         return message.encode_response(json.dumps({
             "max_rdy_count": opts.max_rdy_count,
             "version": NSQD_VERSION,
             "max_msg_timeout": int(opts.max_msg_timeout * 1000),
             "msg_timeout": client.msg_timeout_ns // 1_000_000,
-            "tls_v1": False,
-            "deflate": False,
-            "deflate_level": min(6, opts.max_deflate_level),
+            "tls_v1": tls_v1,
+            "deflate": deflate,
+            "deflate_level": level,
             "max_deflate_level": opts.max_deflate_level,
-            "snappy": False,
+            "snappy": snappy,
             "sample_rate": client.sample_rate,
-            "auth_required": False,
+            "auth_required": self.auth_enabled,
             "output_buffer_size": client.output_buffer_size,
             "output_buffer_timeout": client.output_buffer_timeout_ns // 1_000_000,
             "topology_region": "",
@@ -265,7 +336,35 @@ class ProtocolV2:
         self._require_state("AUTH", STATE_INIT)
         if len(params) != 1:
             raise ClientError("E_INVALID", "AUTH invalid number of parameters")
-        raise ClientError("E_AUTH_DISABLED", "AUTH disabled")
+        if self.client.auth_state is not None:
+            raise ClientError("E_INVALID", "AUTH already set")
+        if not self.auth_enabled:
+            raise ClientError("E_AUTH_DISABLED", "AUTH disabled")
+        self.client.auth_secret = body.decode(errors="replace")
+        self.pending.append(("auth",))
+        return None
+
+    def auth_done(self, state, error: str | None) -> None:
+        """The I/O layer's answer to a pending ("auth",) step."""
+        client = self.client
+        first = client.auth_state is None
+        if error is not None or state is None:
+            log.warning("AUTH failed", client=client.remote_address, error=error)
+            client.auth_state = None
+            client.out.append(message.encode_error(b"E_AUTH_FAILED AUTH failed"))
+            self.closed = True
+            return
+        if not state.authorizations:
+            client.out.append(message.encode_error(b"E_UNAUTHORIZED AUTH no authorizations found"))
+            self.closed = True
+            return
+        client.auth_state = state
+        client.authed = True
+        client.auth_identity, client.auth_identity_url = state.identity, state.identity_url
+        if first:
+            client.out.append(message.encode_response(json.dumps({
+                "identity": state.identity, "identity_url": state.identity_url,
+                "permission_count": len(state.authorizations)}, separators=(",", ":")).encode()))
 
     def SUB(self, params, body, now_ns):
         client = self.client
@@ -278,6 +377,7 @@ class ProtocolV2:
         channel_name = params[2].decode(errors="replace")
         if not is_valid_channel_name(channel_name):
             raise ClientError("E_BAD_CHANNEL", f"SUB channel name {_go_quote(channel_name)} is not valid")
+        self._check_auth("SUB", topic_name, channel_name)
         try:
             channel = self.nsqd.get_topic(topic_name).get_channel(channel_name)
             channel.add_consumer(client.id, client, self.nsqd.options.max_channel_consumers)
@@ -428,6 +528,7 @@ class ProtocolV2:
 
     def PUB(self, params, body, now_ns):
         topic_name = self._topic_name(params, "PUB", 2)
+        self._check_auth("PUB", topic_name)
         msg_id = self.nsqd.guid.new_id()
         frame = message.encode_frame(msg_id, body, now_ns)
         self._publish(topic_name, "PUB", lambda t: t.put_chunk([msg_id], [frame], len(body)), 1)
@@ -437,6 +538,7 @@ class ProtocolV2:
         topic_name = self._topic_name(params, "DPUB", 3)
         opts = self.nsqd.options
         timeout_ms = self._base10(params[2], "DPUB could not parse timeout")
+        self._check_auth("DPUB", topic_name)
         max_ms = int(opts.max_req_timeout * 1000)
         if timeout_ms > max_ms:
             raise ClientError("E_INVALID", f"DPUB timeout {timeout_ms} out of range 0-{max_ms}")
@@ -451,6 +553,7 @@ class ProtocolV2:
 
     def MPUB(self, params, body, now_ns):
         topic_name = self._topic_name(params, "MPUB", 2)
+        self._check_auth("MPUB", topic_name)
         ids, frames, nbytes = build_mpub(body, self.nsqd.guid, now_ns,
                                          self.nsqd.options.max_msg_size, self.nsqd.options.max_body_size)
         self._publish(topic_name, "MPUB", lambda t: t.put_chunk(ids, frames, nbytes), len(frames))

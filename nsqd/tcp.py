@@ -17,13 +17,16 @@ writes within one, is disconnected (nsqd's read and write deadlines).
 from __future__ import annotations
 
 import math
+import ssl
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 import structlog
 import trio
 
-from . import message
+from . import auth, message, tls
 from .client_v2 import ClientV2
+from .compression import DeflateStream, SnappyStream
 from .protocol_v2 import HEARTBEAT, MAGIC_V2, ProtocolV2
 
 if TYPE_CHECKING:
@@ -35,6 +38,7 @@ RECEIVE_SIZE = 256 * 1024
 #: time a new connection has to send the protocol magic
 MAGIC_TIMEOUT = 10.0
 _BAD_PROTOCOL = message.encode_error(b"E_BAD_PROTOCOL")
+_OK = message.encode_response(b"OK")
 
 
 async def serve_tcp(nsqd: NSQD, listeners, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -62,7 +66,8 @@ async def handle_connection(nsqd: NSQD, stream: trio.SocketStream) -> None:
     remote = _peer(stream)
     try:
         await _serve(nsqd, stream, remote)
-    except* (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, ConnectionError):
+    except* (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, ConnectionError,
+             ssl.SSLError):
         log.info("connection dropped", client=remote)
     except* Exception as group:
         log.error("connection failed", client=remote, exc_info=group)
@@ -143,8 +148,14 @@ class Connection:
             if data:
                 protocol.receive_data(data, self.nsqd.now_ns())
                 await self._flush(wait=True)
+                while protocol.pending and not protocol.closed:
+                    await self._perform(protocol.pending.pop(0))
+                    if not protocol.pending:
+                        protocol.resume(self.nsqd.now_ns())
+                    await self._flush(wait=True)
                 if protocol.closed:
                     return
+                receive = self.stream.receive_some
             hb = client.heartbeat_interval_ns
             with trio.move_on_after(2 * hb / 1e9 if hb > 0 else math.inf) as scope:
                 data = await receive(RECEIVE_SIZE)
@@ -172,6 +183,58 @@ class Connection:
                 self._cancel_scope.cancel()
                 return
             await self._flush(wait=False)
+
+    async def _perform(self, step: tuple) -> None:
+        """One async step a command asked for: a stream upgrade or an auth query."""
+        client = self.client
+        kind = step[0]
+        if kind == "auth":
+            await self._authorize()
+            return
+        async with self._exclusive():
+            if kind == "tls":
+                stream = trio.SSLStream(self.stream, self.nsqd.tls_context, server_side=True)
+                with trio.fail_after(5):
+                    await stream.do_handshake()
+                for key, value in tls.describe(stream).items():
+                    setattr(client, key, value)
+                client.tls = True
+            elif kind == "snappy":
+                stream = SnappyStream(self.stream)
+                client.snappy = True
+            else:
+                stream = DeflateStream(self.stream, step[1])
+                client.deflate = True
+            self.stream = stream
+            log.info("connection upgraded", client=client.remote_address, to=kind)
+            await self.stream.send_all(_OK)
+
+    async def _authorize(self) -> None:
+        client = self.client
+        opts = self.nsqd.options
+        try:
+            state = await auth.query_any(
+                opts.auth_http_addresses, remote_ip=client.remote_address.rsplit(":", 1)[0], tls=client.tls,
+                secret=client.auth_secret, now=self.nsqd.now_ns() / 1e9,
+                method=opts.auth_http_request_method, connect_timeout=opts.http_client_connect_timeout,
+                request_timeout=opts.http_client_request_timeout)
+        except auth.AuthError as exc:
+            self.protocol.auth_done(None, str(exc))
+        else:
+            self.protocol.auth_done(state, None)
+
+    @asynccontextmanager
+    async def _exclusive(self):
+        """Hold the write path (no pump writes) while the stream is being replaced."""
+        while self._sending:
+            await self._idle.wait()
+        self._sending = True
+        try:
+            yield
+        finally:
+            self._sending = False
+            idle, self._idle = self._idle, trio.Event()
+            idle.set()
 
     async def _flush(self, wait: bool) -> None:
         """Fill from the channel and write everything pending, one send per round."""

@@ -1,0 +1,154 @@
+"""Client authorization through nsqd's auth HTTP protocol.
+
+The daemon asks an auth server ``GET <addr>/auth?remote_ip=&tls=&secret=&common_name=``
+(or POSTs the same form) and gets back ``{"ttl": s, "identity": ..., "identity_url":
+..., "authorizations": [{"topic": re, "channels": [re...], "permissions":
+["subscribe"|"publish"]}]}``. Servers are tried in a random order until one
+answers. The decision logic (``AuthState``) is pure; only :func:`query_any`
+does I/O, over h11 on Trio with the daemon's connect and request timeouts.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import ssl
+from dataclasses import dataclass
+from urllib.parse import urlencode, urlsplit
+
+import h11
+import trio
+
+PERMISSIONS = ("subscribe", "publish")
+#: the largest auth server response we read
+MAX_RESPONSE = 1024 * 1024
+
+
+class AuthError(Exception):
+    """No auth server gave a usable answer."""
+
+
+@dataclass(frozen=True)
+class Authorization:
+    topic: re.Pattern
+    channels: tuple[re.Pattern, ...]
+    permissions: frozenset[str]
+
+    def allows(self, topic: str, channel: str) -> bool:
+        """nsqd's rule: subscribe needs a channel match, publish matches channel ``""``."""
+        needed = "subscribe" if channel else "publish"
+        if needed not in self.permissions or not self.topic.search(topic):
+            return False
+        return any(c.search(channel) for c in self.channels)
+
+
+@dataclass(frozen=True)
+class AuthState:
+    identity: str
+    identity_url: str
+    expires: float
+    authorizations: tuple[Authorization, ...]
+
+    def is_expired(self, now: float) -> bool:
+        return now >= self.expires
+
+    def allows(self, topic: str, channel: str = "") -> bool:
+        return any(a.allows(topic, channel) for a in self.authorizations)
+
+
+def parse_reply(body: bytes, now: float) -> AuthState:
+    """Validate an auth server's JSON reply as nsqd does."""
+    try:
+        doc = json.loads(body)
+        ttl = int(doc.get("ttl", 0))
+        auths = []
+        for item in doc.get("authorizations") or []:
+            perms = frozenset(item.get("permissions") or [])
+            unknown = perms - set(PERMISSIONS)
+            if unknown:
+                raise AuthError(f"unknown permission {sorted(unknown)[0]}")
+            auths.append(Authorization(
+                re.compile(item.get("topic", "")),
+                tuple(re.compile(c) for c in item.get("channels") or []),
+                perms,
+            ))
+    except (ValueError, TypeError, AttributeError, re.error) as exc:
+        raise AuthError(f"invalid auth reply: {exc}") from None
+    if ttl <= 0:
+        raise AuthError(f"invalid TTL {ttl} (must be >0)")
+    return AuthState(str(doc.get("identity", "")), str(doc.get("identity_url", "")), now + ttl,
+                     tuple(auths))
+
+
+async def query_any(addresses: list[str], *, remote_ip: str, tls: bool, secret: str, common_name: str = "",
+                    now: float, method: str = "get", connect_timeout: float = 2.0,
+                    request_timeout: float = 5.0, ssl_context: ssl.SSLContext | None = None) -> AuthState:
+    """Ask the auth servers in turn; ``now`` (daemon clock, seconds) dates the expiry."""
+    errors = []
+    start = random.randrange(len(addresses))
+    for i in range(len(addresses)):
+        address = addresses[(start + i) % len(addresses)]
+        try:
+            body = await _request(address, remote_ip, tls, secret, common_name, method,
+                                  connect_timeout, request_timeout, ssl_context)
+            return parse_reply(body, now)
+        except (AuthError, OSError, trio.TooSlowError, trio.BrokenResourceError, h11.ProtocolError) as exc:
+            errors.append(f"failed to auth against {address} - {exc or type(exc).__name__}")
+    raise AuthError("; ".join(errors))
+
+
+async def _request(address, remote_ip, tls, secret, common_name, method, connect_timeout, request_timeout,
+                   ssl_context) -> bytes:
+    endpoint = address if "://" in address else f"http://{address}/auth"
+    url = urlsplit(endpoint)
+    form = urlencode({"remote_ip": remote_ip, "tls": "true" if tls else "false", "secret": secret,
+                      "common_name": common_name})
+    target = url.path or "/"
+    if url.query:
+        target += "?" + url.query
+    body = b""
+    headers = [("host", url.netloc), ("accept", "application/vnd.nsq; version=1.0")]
+    if method == "post":
+        body = form.encode()
+        headers += [("content-type", "application/x-www-form-urlencoded"), ("content-length", str(len(body)))]
+    else:
+        target += ("&" if "?" in target else "?") + form
+    port = url.port or (443 if url.scheme == "https" else 80)
+    with trio.fail_after(connect_timeout):
+        stream = await trio.open_tcp_stream(url.hostname, port)
+    try:
+        if url.scheme == "https":
+            stream = trio.SSLStream(stream, ssl_context or ssl.create_default_context(),
+                                    server_hostname=url.hostname)
+        with trio.fail_after(request_timeout):
+            return await _exchange(stream, method.upper(), target, headers, body)
+    finally:
+        await stream.aclose()
+
+
+async def _exchange(stream, method: str, target: str, headers, body: bytes) -> bytes:
+    conn = h11.Connection(h11.CLIENT)
+    data = conn.send(h11.Request(method=method, target=target, headers=headers))
+    if body:
+        data += conn.send(h11.Data(data=body))
+    data += conn.send(h11.EndOfMessage())
+    await stream.send_all(data)
+    status, chunks, size = 0, [], 0
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(await stream.receive_some(65536))
+            continue
+        if isinstance(event, h11.Response):
+            status = event.status_code
+        elif isinstance(event, h11.Data):
+            size += len(event.data)
+            if size > MAX_RESPONSE:
+                raise AuthError("auth reply too large")
+            chunks.append(event.data)
+        elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+            break
+    if status != 200:
+        raise AuthError(f"got response {status}")
+    return b"".join(chunks)

@@ -1,0 +1,242 @@
+"""Drop-in parity: TLS, snappy and deflate upgrades, AUTH against an auth server."""
+
+import json
+import signal
+import ssl
+
+import h11
+import nsq
+import pytest
+import trio
+import trustme
+
+from .support import FRAME_ERROR, FRAME_RESPONSE, Daemon, NSQConnection, running_nsqd, tcp_port
+from .test_pynsq import run_loop
+
+
+@pytest.fixture(scope="module")
+def ca():
+    return trustme.CA()
+
+
+@pytest.fixture
+def certs(ca, tmp_path):
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    cert_path, key_path, ca_path = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"
+    cert.cert_chain_pems[0].write_to_path(cert_path)
+    cert.private_key_pem.write_to_path(key_path)
+    ca.cert_pem.write_to_path(ca_path)
+    return {"tls_cert": str(cert_path), "tls_key": str(key_path), "ca": str(ca_path)}
+
+
+def client_tls_context(certs) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=certs["ca"])
+
+
+async def test_tls_upgrade_sends_ok_over_tls(tmp_path, certs):
+    async with running_nsqd(tmp_path / "d", tls_cert=certs["tls_cert"], tls_key=certs["tls_key"]) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.command("IDENTIFY", json.dumps({"feature_negotiation": True, "tls_v1": True}).encode())
+        kind, data = await conn.read_frame()
+        assert kind == FRAME_RESPONSE and json.loads(data)["tls_v1"] is True
+        conn.stream = trio.SSLStream(conn.stream, client_tls_context(certs), server_hostname="127.0.0.1")
+        await conn.stream.do_handshake()
+        await conn.expect_response(b"OK")
+        await conn.sub("t", "c")
+        await conn.pub("t", b"secret")
+        await conn.command("RDY 1")
+        assert (await conn.read_message()).body == b"secret"
+        client = next(c for c in nsqd.clients.values() if c.channel is not None)
+        assert client.tls and client.tls_version.startswith("TLS")
+
+
+async def test_tls_required_refuses_plain_commands(tmp_path, certs):
+    async with running_nsqd(tmp_path / "d", tls_cert=certs["tls_cert"], tls_key=certs["tls_key"],
+                            tls_required=2) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.command("SUB t c")
+        await conn.expect_error("E_INVALID cannot SUB in current state (TLS required)")
+        await conn.expect_closed()
+
+
+async def test_tls_not_offered_without_a_certificate(tmp_path):
+    async with running_nsqd(tmp_path) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        resp = await conn.identify(feature_negotiation=True, tls_v1=True)
+        assert resp["tls_v1"] is False
+        await conn.sub("t", "c")  # still plain text
+
+
+async def test_deflate_and_snappy_together_is_refused(tmp_path):
+    async with running_nsqd(tmp_path) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.command("IDENTIFY", json.dumps({"feature_negotiation": True, "deflate": True,
+                                                   "snappy": True}).encode())
+        await conn.expect_error("E_IDENTIFY_FAILED cannot enable both deflate and snappy compression")
+
+
+async def test_deflate_level_is_capped(tmp_path):
+    async with running_nsqd(tmp_path, max_deflate_level=4) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        resp = await conn.identify(feature_negotiation=True, deflate=True, deflate_level=9)
+        assert (resp["deflate"], resp["deflate_level"], resp["max_deflate_level"]) == (True, 4, 4)
+
+
+def pynsq_round_trip(daemon, topic, count=200, **conn_kwargs):
+    """Publish with a pynsq Writer and consume with a Reader, both with conn_kwargs."""
+    address = f"127.0.0.1:{daemon.port}"
+    got, acks = [], []
+    reader = nsq.Reader(topic=topic, channel="c", nsqd_tcp_addresses=[address], max_in_flight=50,
+                        message_handler=lambda m: got.append(m.body) or True, lookupd_poll_interval=1,
+                        **conn_kwargs)
+    writer = nsq.Writer([address], **conn_kwargs)
+    bodies = [b"%s-%04d" % (topic.encode(), i) for i in range(count)]
+
+    def publish():
+        for i in range(0, count, 50):
+            writer.mpub(topic, bodies[i:i + 50], callback=lambda conn, data: acks.append(data))
+
+    trio_loop_later(publish)
+    run_loop(lambda: len(got) >= count)
+    reader.close()
+    return bodies, got, acks
+
+
+def trio_loop_later(fn):
+    import tornado.ioloop
+    tornado.ioloop.IOLoop.current().call_later(0.5, fn)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"snappy": True},
+    {"deflate": True, "deflate_level": 6},
+    {"tls": True},
+    {"tls": True, "snappy": True},
+    {"tls": True, "deflate": True},
+], ids=["snappy", "deflate", "tls", "tls+snappy", "tls+deflate"])
+def test_pynsq_with_tls_and_compression(tmp_path, certs, kwargs):
+    kwargs = dict(kwargs)
+    args = []
+    if kwargs.pop("tls", False):
+        args = [f"--tls-cert={certs['tls_cert']}", f"--tls-key={certs['tls_key']}"]
+        kwargs.update(tls_v1=True, tls_options={"ca_certs": certs["ca"]})
+    daemon = Daemon(tmp_path / "d", *args)
+    daemon.wait_ready_sync()
+    try:
+        bodies, got, acks = pynsq_round_trip(daemon, "parity", **kwargs)
+        assert sorted(got) == bodies
+        assert acks and all(a == b"OK" for a in acks)
+    finally:
+        daemon.proc.send_signal(signal.SIGTERM)
+        assert daemon.proc.wait(30) == 0
+
+
+class AuthServer:
+    """A real HTTP auth server on loopback answering nsqd's auth protocol."""
+
+    def __init__(self, secrets: dict[str, dict]):
+        self.secrets = secrets
+        self.queries: list[str] = []
+        self.port = 0
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED):
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.port = listeners[0].socket.getsockname()[1]
+        task_status.started()
+        await trio.serve_listeners(self.handle, listeners)
+
+    async def handle(self, stream):
+        conn = h11.Connection(h11.SERVER)
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(await stream.receive_some(65536))
+                continue
+            if isinstance(event, h11.Request):
+                target = event.target.decode()
+            if isinstance(event, h11.EndOfMessage):
+                break
+        from urllib.parse import parse_qs, urlsplit
+        query = parse_qs(urlsplit(target).query)
+        secret = query["secret"][0]
+        self.queries.append(secret)
+        reply = self.secrets.get(secret)
+        status, body = (200, json.dumps(reply).encode()) if reply else (403, b'{"message":"NOT_AUTHORIZED"}')
+        data = conn.send(h11.Response(status_code=status, headers=[("content-length", str(len(body)))]))
+        data += conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage())
+        await stream.send_all(data)
+        await stream.aclose()
+
+
+def grant(topic, channels, permissions, ttl=3600):
+    return {"ttl": ttl, "identity": "alice", "identity_url": "http://id/alice",
+            "authorizations": [{"topic": topic, "channels": channels, "permissions": permissions}]}
+
+
+async def test_auth_flow(tmp_path):
+    server = AuthServer({"good": grant("^orders$", [".*"], ["subscribe", "publish"]),
+                         "pub-only": grant("^orders$", [".*"], ["publish"])})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        async with running_nsqd(tmp_path, auth_http_addresses=[f"127.0.0.1:{server.port}"]) as nsqd:
+            conn = await NSQConnection.open(tcp_port(nsqd))
+            resp = await conn.identify(feature_negotiation=True)
+            assert resp["auth_required"] is True
+            await conn.command("SUB orders c")
+            await conn.expect_error("E_AUTH_FIRST AUTH required before SUB")
+
+            bad = await NSQConnection.open(tcp_port(nsqd))
+            await bad.command("AUTH", b"wrong")
+            await bad.expect_error("E_AUTH_FAILED AUTH failed")
+            await bad.expect_closed()
+
+            ok = await NSQConnection.open(tcp_port(nsqd))
+            await ok.command("AUTH", b"good")
+            kind, data = await ok.read_frame()
+            assert json.loads(data) == {"identity": "alice", "identity_url": "http://id/alice",
+                                        "permission_count": 1}
+            await ok.sub("orders", "c")
+            await ok.pub("orders", b"x")
+            await ok.command("PUB other", b"y")
+            await ok.expect_error('E_UNAUTHORIZED AUTH failed for PUB on "other" ""')
+
+            pub_only = await NSQConnection.open(tcp_port(nsqd))
+            await pub_only.command("AUTH", b"pub-only")
+            await pub_only.read_frame()
+            await pub_only.pub("orders", b"z")
+            await pub_only.command("SUB orders c")
+            await pub_only.expect_error('E_UNAUTHORIZED AUTH failed for SUB on "orders" "c"')
+            assert server.queries == ["wrong", "good", "pub-only"]
+            nursery.cancel_scope.cancel()
+
+
+async def test_expired_auth_is_checked_again(tmp_path):
+    server = AuthServer({"short": grant(".*", [".*"], ["publish", "subscribe"], ttl=1)})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        async with running_nsqd(tmp_path, auth_http_addresses=[f"127.0.0.1:{server.port}"]) as nsqd:
+            conn = await NSQConnection.open(tcp_port(nsqd))
+            await conn.command("AUTH", b"short")
+            await conn.read_frame()
+            await conn.pub("t", b"1")
+            assert server.queries == ["short"]
+            await trio.sleep(1.1)
+            await conn.pub("t", b"2")  # expired: asked again, then the PUB goes through
+            assert server.queries == ["short", "short"]
+            del server.secrets["short"]
+            await trio.sleep(1.1)
+            await conn.command("PUB t", b"3")
+            await conn.expect_error("E_AUTH_FAILED AUTH failed")
+            assert nsqd.topics["t"].message_count == 2
+            nursery.cancel_scope.cancel()
+
+
+def test_auth_decisions_follow_nsqd():
+    from nsqd.auth import AuthError, parse_reply
+    state = parse_reply(json.dumps(grant("^a", ["^c$"], ["subscribe"])).encode(), now=0)
+    assert state.allows("ab", "c") and not state.allows("ab", "cd") and not state.allows("ba", "c")
+    assert not state.allows("ab")  # no publish permission
+    with pytest.raises(AuthError, match="unknown permission"):
+        parse_reply(json.dumps(grant("a", [], ["admin"])).encode(), now=0)
+    with pytest.raises(AuthError, match="invalid TTL"):
+        parse_reply(json.dumps(grant("a", [], ["publish"], ttl=0)).encode(), now=0)
