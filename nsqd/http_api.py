@@ -107,6 +107,7 @@ class Request:
     raw_query: bytes
     content_length: int | None
     receive: Callable[[], Awaitable[dict]]
+    secure: bool = False
 
     @property
     def uri(self) -> str:
@@ -186,6 +187,7 @@ class HTTPAPI:
             raw_query=scope["query_string"],
             content_length=_content_length(scope["headers"]),
             receive=receive,
+            secure=scope.get("scheme") == "https",
         )
         try:
             status, headers, body = await self.respond(request)
@@ -202,9 +204,10 @@ class HTTPAPI:
 
     async def respond(self, request: Request) -> tuple[int, list[tuple[bytes, bytes]], Body]:
         """Route the request and shape the answer in the handler's style."""
-        if self.nsqd.options.tls_required == TLS_REQUIRED:
+        if self.nsqd.options.tls_required == TLS_REQUIRED and not request.secure:
             # nsqd refuses plain HTTP outright when TLS is required everywhere
-            https_port = split_host_port(self.nsqd.options.https_address)[1] if self.nsqd.options.https_address else 0
+            bound = self.nsqd.https_addresses
+            https_port = bound[0][1] if bound else 0
             data = b'{"message": "TLS_REQUIRED", "https_port": %d}' % https_port
             return 403, [_V1_HEADER], Body(data, JSON_TYPE)
         methods, params = self._match(request.path)
@@ -564,14 +567,18 @@ class _HypercornLog:
 class _Config(Config):
     """Hypercorn's config, serving a socket we bound ourselves (so we know its port)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, certfile: str = "", keyfile: str = "") -> None:
         super().__init__()
         self._sock = sock
+        if certfile:
+            self.certfile, self.keyfile = certfile, keyfile
         self.accesslog = None
         self.logger_class = _HypercornLog
         self.include_server_header = False
 
     def create_sockets(self) -> Sockets:
+        if self.ssl_enabled:
+            return Sockets(secure_sockets=[self._sock], insecure_sockets=[], quic_sockets=[])
         return Sockets(secure_sockets=[], insecure_sockets=[self._sock], quic_sockets=[])
 
 
@@ -586,13 +593,16 @@ async def _listen(address: str) -> socket.socket:
     return sock
 
 
-async def serve_http(nsqd, address: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def serve_http(nsqd, address: str, *, https: bool = False,
+                     task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve the API on ``address`` ("host:port", port 0 for any) until cancelled.
 
     Reports the (host, port) actually bound through ``task_status`` as soon as
     the socket listens; connections made before hypercorn accepts wait in the
-    backlog.
+    backlog. With ``https`` the daemon's ``--tls-cert``/``--tls-key`` are used.
     """
+    opts = nsqd.options
     with await _listen(address) as sock:
         task_status.started([sock.getsockname()[:2]])
-        await hypercorn.trio.serve(HTTPAPI(nsqd), _Config(sock), mode="asgi")
+        config = _Config(sock, opts.tls_cert, opts.tls_key) if https else _Config(sock)
+        await hypercorn.trio.serve(HTTPAPI(nsqd), config, mode="asgi")

@@ -23,6 +23,7 @@ import os
 import signal
 import time
 from collections import deque
+from functools import partial
 from pathlib import Path
 
 import structlog
@@ -55,6 +56,7 @@ class NSQD:
         self.start_time = time.time()
         self.tcp_addresses: list[tuple[str, int]] = []
         self.http_addresses: list[tuple[str, int]] = []
+        self.https_addresses: list[tuple[str, int]] = []
         self.connections_nursery: trio.Nursery | None = None
         self.health = "OK"
         #: bumped whenever a topic or channel appears or goes (the scan loop refreshes)
@@ -327,6 +329,11 @@ class NSQD:
                         from .http_api import serve_http
 
                         self.http_addresses = await services.start(serve_http, self, self.options.http_address)
+                    if self.options.https_address:
+                        from .http_api import serve_http
+
+                        self.https_addresses = await services.start(
+                            partial(serve_http, https=True), self, self.options.https_address)
                     services.start_soon(queue_scan_loop, self)
                     services.start_soon(self._backlog_mover)
                     services.start_soon(self._metadata_writer)

@@ -140,11 +140,40 @@ async def test_options_lists_allowed_methods(http):
     assert (response.status, response.body, response.headers["allow"]) == (200, b"", "OPTIONS, POST")
 
 
-@pytest.mark.parametrize("nsqd_server", [{"tls_required": 2, "https_address": "127.0.0.1:4152"}], indirect=True)
-async def test_tls_required_refuses_plain_http(http):
+def _server_certs() -> dict:
+    """A certificate for 127.0.0.1 signed by a throwaway CA, written to a temp dir."""
+    import tempfile
+
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    folder = tempfile.mkdtemp(prefix="nsqd-http-tls-")
+    paths = {name: f"{folder}/{name}.pem" for name in ("cert", "key", "ca")}
+    cert.cert_chain_pems[0].write_to_path(paths["cert"])
+    cert.private_key_pem.write_to_path(paths["key"])
+    ca.cert_pem.write_to_path(paths["ca"])
+    return paths
+
+
+CERTS = _server_certs()
+
+
+@pytest.mark.parametrize("nsqd_server", [{"tls_required": 2, "https_address": "127.0.0.1:0",
+                                          "tls_cert": CERTS["cert"], "tls_key": CERTS["key"]}], indirect=True)
+async def test_tls_required_refuses_plain_http_and_https_serves(http, nsqd_server):
     response = await http.get("/ping")
-    assert (response.status, response.body) == (403, b'{"message": "TLS_REQUIRED", "https_port": 4152}')
+    https_port = nsqd_server.https_addresses[0][1]
+    assert response.status == 403
+    assert response.body == b'{"message": "TLS_REQUIRED", "https_port": %d}' % https_port
     assert response.headers[V1[0]] == V1[1]
+    import ssl
+    import urllib.request
+
+    context = ssl.create_default_context(cafile=CERTS["ca"])
+    body = await trio.to_thread.run_sync(
+        lambda: urllib.request.urlopen(f"https://127.0.0.1:{https_port}/ping", context=context).read())
+    assert body == b"OK"
 
 
 # ---------------------------------------------------------------- publish
