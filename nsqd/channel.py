@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 import structlog
 
 from . import message
+from .e2e import LatencyWindow
 from .in_flight import InFlight
 
 if TYPE_CHECKING:
@@ -117,6 +118,8 @@ class Channel:
         #: for messages that have any; carried to disk in the record's extension
         self.failed: dict[bytes, int] = {}
         self.leases: dict[str, Lease] = {}
+        #: publish-to-FIN latency, when --e2e-processing-latency-percentile is set
+        self.e2e: LatencyWindow | None = None
         # counters, as in nsqd's channel stats
         self.message_count = 0
         self.requeue_count = 0

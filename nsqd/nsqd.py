@@ -61,6 +61,7 @@ class NSQD:
         self.health = "OK"
         #: bumped whenever a topic or channel appears or goes (the scan loop refreshes)
         self.channels_version = 0
+        self.lookup_peers: list = []
         self._client_seq = 0
         self._wall0 = time.time_ns()
         self._clock0: float | None = None
@@ -110,6 +111,11 @@ class NSQD:
                 on_backlog=self._schedule_backlog,
                 on_last_channel_gone=self._ephemeral_topic_gone,
             )
+            opts = self.options
+            if opts.e2e_processing_latency_percentiles:
+                topic.e2e_percentiles = list(opts.e2e_processing_latency_percentiles)
+                topic.e2e_window_ns = int(opts.e2e_processing_latency_window_time * 1e9)
+                topic.e2e_now = self.now_ns
             self.topics[name] = topic
             log.info("TOPIC created", topic=name)
             self._topic_changed(topic)
@@ -150,6 +156,8 @@ class NSQD:
     def _topic_changed(self, topic: Topic) -> None:
         self.channels_version += 1
         self.persist_metadata_soon()
+        for peer in self.lookup_peers:
+            peer.notify()
 
     def _schedule_backlog(self, topic: Topic) -> None:
         if topic not in self._backlog:
@@ -309,7 +317,9 @@ class NSQD:
         self._shutdown.set()
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        from .lookup import lookup_loop
         from .queue_scan import queue_scan_loop
+        from .statsd import statsd_loop
         from .tcp import serve_tcp
 
         self._clock0 = trio.current_time()
@@ -337,6 +347,8 @@ class NSQD:
                     services.start_soon(queue_scan_loop, self)
                     services.start_soon(self._backlog_mover)
                     services.start_soon(self._metadata_writer)
+                    services.start_soon(lookup_loop, self)
+                    services.start_soon(statsd_loop, self)
                     for topic in self.topics.values():
                         if topic.channels and topic.backend_depth:
                             self._schedule_backlog(topic)

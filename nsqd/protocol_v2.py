@@ -413,6 +413,9 @@ class ProtocolV2:
             client.out.append(message.encode_error(str(err).encode()))
             self.closed = True
             return
+        if client.channel.e2e is not None:
+            self._fin_timed(ids)
+            return
         pop = client.in_flight.map.pop
         finished = 0
         for msg_id in ids:
@@ -427,6 +430,26 @@ class ProtocolV2:
         client.finish_count += finished
         if client.channel.failed:
             client.channel.forget(ids)
+
+    def _fin_timed(self, ids: list[bytes]) -> None:
+        """FIN that also records publish-to-FIN latency (only with e2e percentiles on)."""
+        client = self.client
+        channel = client.channel
+        published = []
+        for msg_id in ids:
+            delivery = client.in_flight.map.pop(msg_id, None)
+            if delivery is None and client.lease is not None:
+                delivery = client.lease.in_flight.map.pop(msg_id, None)
+            if delivery is None:
+                reason = self._not_in_flight_reason(msg_id)
+                client.out.append(message.encode_error(
+                    f"E_FIN_FAILED FIN {msg_id.decode(errors='replace')} failed {reason}".encode()))
+                continue
+            published.append(message.frame_timestamp(delivery.frame(msg_id)))
+        client.finish_count += len(published)
+        channel.e2e.add_many(published, self.nsqd.now_ns())
+        if channel.failed:
+            channel.forget(ids)
 
     def _not_in_flight_reason(self, msg_id: bytes) -> str:
         channel = self.client.channel

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING
 
+from . import e2e
 from .client_v2 import STATE_INIT
 from .options import format_duration
 from .version import NSQD_VERSION
@@ -40,8 +41,7 @@ NOT_JSON = {"json": False}
 
 @dataclass(frozen=True)
 class E2eLatency:
-    """End-to-end processing latency quantiles: not tracked yet, so always empty
-    (and the text form's ``e2e%:`` column blank)."""
+    """End-to-end processing latency quantiles (empty unless percentiles are configured)."""
 
     count: int = 0
     percentiles: tuple = ()
@@ -172,8 +172,9 @@ def snapshot(
             channels = [found_channel]
         else:
             channels = sorted(t.channels.values(), key=lambda c: c.name)
-        channel_stats = tuple(_channel_stats(c, topic, include_clients) for c in channels)
-        topic_stats.append(_topic_stats(t, channel_stats))
+        now_ns = nsqd.now_ns()
+        channel_stats = tuple(_channel_stats(c, topic, include_clients, now_ns) for c in channels)
+        topic_stats.append(_topic_stats(t, channel_stats, now_ns))
     producers: tuple[ClientStats, ...] = ()
     if include_clients:
         producers = tuple(
@@ -193,7 +194,7 @@ def snapshot(
     )
 
 
-def _topic_stats(t: Topic, channels: tuple[ChannelStats, ...]) -> TopicStats:
+def _topic_stats(t: Topic, channels: tuple[ChannelStats, ...], now_ns: int) -> TopicStats:
     return TopicStats(
         topic_name=t.name,
         channels=channels,
@@ -202,11 +203,11 @@ def _topic_stats(t: Topic, channels: tuple[ChannelStats, ...]) -> TopicStats:
         message_count=t.message_count,
         message_bytes=t.message_bytes,
         paused=t.paused,
-        e2e_processing_latency=E2eLatency(),
+        e2e_processing_latency=_e2e([c.e2e for c in t.channels.values() if c.e2e is not None], now_ns),
     )
 
 
-def _channel_stats(c: Channel, topic_filter: str | None, include_clients: bool) -> ChannelStats:
+def _channel_stats(c: Channel, topic_filter: str | None, include_clients: bool, now_ns: int) -> ChannelStats:
     consumers = sorted(c.consumers.items(), key=lambda item: item[0])
     clients = tuple(client_stats(consumer, topic_filter) for _, consumer in consumers) if include_clients else ()
     return ChannelStats(
@@ -221,8 +222,13 @@ def _channel_stats(c: Channel, topic_filter: str | None, include_clients: bool) 
         client_count=len(consumers),
         clients=clients,
         paused=c.paused,
-        e2e_processing_latency=E2eLatency(),
+        e2e_processing_latency=_e2e([c.e2e] if c.e2e is not None else [], now_ns),
     )
+
+
+def _e2e(windows, now_ns: int) -> E2eLatency:
+    count, percentiles = e2e.result(windows, now_ns)
+    return E2eLatency(count, percentiles)
 
 
 def client_stats(client: object, topic_filter: str | None = None) -> ClientStats:
@@ -326,6 +332,10 @@ def render_json(stats: NSQDStats) -> bytes:
 # ------------------------------------------------------------------- text
 
 
+def _e2e_text(latency: E2eLatency) -> str:
+    return ", ".join(e2e.human(p["value"]) for p in latency.percentiles)
+
+
 def render_text(stats: NSQDStats) -> bytes:
     """The human-readable form, laid out as Go nsqd's printStats."""
     now = time.time()
@@ -350,7 +360,7 @@ def render_text(stats: NSQDStats) -> bytes:
         lines += [
             "",
             f"{mark}[{t.topic_name:<15}] depth: {t.depth:<5} be-depth: {t.backend_depth:<5} "
-            f"msgs: {t.message_count:<8} e2e%: ",
+            f"msgs: {t.message_count:<8} e2e%: {_e2e_text(t.e2e_processing_latency)}",
         ]
         for c in t.channels:
             mark = "   *P " if c.paused else "      "
@@ -358,6 +368,7 @@ def render_text(stats: NSQDStats) -> bytes:
                 f"{mark}[{c.channel_name:<25}] depth: {c.depth:<5} be-depth: {c.backend_depth:<5} "
                 f"inflt: {c.in_flight_count:<4} def: {c.deferred_count:<4} re-q: {c.requeue_count:<5} "
                 f"timeout: {c.timeout_count:<5} msgs: {c.message_count:<8} e2e%: "
+                f"{_e2e_text(c.e2e_processing_latency)}"
             )
             lines += [f"        {client_text(client, now)}" for client in c.clients]
     if not stats.producers:

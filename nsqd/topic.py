@@ -17,6 +17,7 @@ import structlog
 
 from . import message
 from .channel import Channel, ChannelExiting
+from .e2e import LatencyWindow
 
 if TYPE_CHECKING:
     from .diskq import DiskQueue
@@ -50,6 +51,10 @@ class Topic:
         self.mem_queue_size = mem_queue_size
         self.backend = backend
         self.max_messages = max_messages
+        #: set by the daemon when e2e latency percentiles are configured
+        self.e2e_percentiles: list[float] = []
+        self.e2e_window_ns = 0
+        self.e2e_now: Callable[[], int] = lambda: 0
         self.channel_max_messages = channel_max_messages
         self.channels: dict[str, Channel] = {}
         self.paused = False
@@ -87,6 +92,8 @@ class Topic:
                 backend=self._open_channel_backend(self.name, name),
                 on_last_consumer_gone=self._ephemeral_channel_gone,
             )
+            if self.e2e_percentiles:
+                channel.e2e = LatencyWindow(self.e2e_window_ns, self.e2e_percentiles, self.e2e_now())
             self.channels[name] = channel
             self._on_channels_changed(self)
             self._release_backlog()

@@ -240,3 +240,61 @@ def test_auth_decisions_follow_nsqd():
         parse_reply(json.dumps(grant("a", [], ["admin"])).encode(), now=0)
     with pytest.raises(AuthError, match="invalid TTL"):
         parse_reply(json.dumps(grant("a", [], ["publish"], ttl=0)).encode(), now=0)
+
+
+async def test_e2e_processing_latency_in_stats(tmp_path):
+    from nsqd import stats
+
+    async with running_nsqd(tmp_path, e2e_processing_latency_percentiles=[0.99, 0.5]) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.sub("t", "c")
+        await conn.mpub("t", [b"%d" % i for i in range(20)])
+        await trio.sleep(0.2)  # every message is at least 200 ms old when finished
+        await conn.command("RDY 20")
+        for _ in range(20):
+            msg = await conn.read_message()
+            await conn.command(b"FIN " + msg.id)
+        await conn.command("NOP")
+        with trio.fail_after(2):
+            while nsqd.topics["t"].channels["c"].in_flight_count:
+                await trio.sleep(0.01)
+        doc = json.loads(stats.render_json(stats.snapshot(nsqd)))
+        channel = doc["topics"][0]["channels"][0]["e2e_processing_latency"]
+        assert channel["count"] == 20
+        assert [p["quantile"] for p in channel["percentiles"]] == [0.99, 0.5]
+        assert all(0.2e9 <= p["value"] < 5e9 for p in channel["percentiles"])
+        assert doc["topics"][0]["e2e_processing_latency"]["count"] == 20
+        assert b"e2e%: 2" in stats.render_text(stats.snapshot(nsqd))
+
+
+async def test_statsd_receives_nsqd_metric_names(tmp_path):
+    sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_DGRAM)
+    await sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    async with running_nsqd(tmp_path, statsd_address=f"127.0.0.1:{port}", statsd_interval=0.2,
+                            statsd_prefix="nsq.%s", broadcast_address="node.local",
+                            broadcast_http_port=4151) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.sub("t", "c")
+        await conn.mpub("t", [b"a", b"b", b"c"])
+        expected = {"nsq.node_local_4151.topic.t.message_count:3|c",
+                    "nsq.node_local_4151.topic.t.channel.c.depth:3|g",
+                    "nsq.node_local_4151.topic.t.channel.c.clients:1|g"}
+        lines = set()
+        with trio.fail_after(3):
+            while not expected <= lines:
+                lines.update((await sock.recv(65536)).decode().splitlines())
+        later = set()
+        with trio.fail_after(3):
+            while not any(l.startswith("nsq.node_local_4151.topic.t.message_count:") for l in later):
+                later.update((await sock.recv(65536)).decode().splitlines())
+        assert "nsq.node_local_4151.topic.t.message_count:0|c" in later  # counters send the change
+    sock.close()
+
+
+def test_statsd_packets_respect_the_size():
+    from nsqd.statsd import packets
+    lines = [f"metric.{i}:{i}|g" for i in range(100)]
+    datagrams = packets(lines, 100)
+    assert all(len(d) <= 100 for d in datagrams)
+    assert b"".join(datagrams).decode().splitlines() == lines

@@ -1,0 +1,182 @@
+"""Registration with nsqlookupd, so consumers that discover producers find us.
+
+One task per ``--lookupd-tcp-address`` keeps a connection in nsqlookupd's V1
+protocol: magic ``"  V1"``, ``IDENTIFY`` with our broadcast address and
+ports, then ``REGISTER topic [channel]`` / ``UNREGISTER ...`` as topics and
+channels come and go, and ``PING`` every 15 seconds. Each answer is
+``size(4) | data``. Rather than queueing notifications, a peer compares the
+registrations the daemon should have with what it has told nsqlookupd and
+sends the difference, so a reconnect simply starts from an empty set and
+re-registers everything.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from typing import TYPE_CHECKING
+
+import structlog
+import trio
+
+from .options import split_host_port
+from .version import NSQD_VERSION
+
+if TYPE_CHECKING:
+    from .nsqd import NSQD
+
+log = structlog.get_logger("nsqd.lookup")
+
+PING_INTERVAL = 15.0
+CONNECT_TIMEOUT = 2.0
+RESPONSE_TIMEOUT = 5.0
+MAX_BACKOFF = 15.0
+
+
+def registrations(nsqd: NSQD) -> set[tuple[str, str]]:
+    """``(topic, "")`` for every topic and ``(topic, channel)`` for every channel."""
+    wanted = set()
+    for topic in nsqd.topics.values():
+        wanted.add((topic.name, ""))
+        wanted.update((topic.name, name) for name in topic.channels)
+    return wanted
+
+
+def identify_body(nsqd: NSQD) -> bytes:
+    opts = nsqd.options
+    tcp_port = opts.broadcast_tcp_port or (nsqd.tcp_addresses[0][1] if nsqd.tcp_addresses else 0)
+    http_port = opts.broadcast_http_port or (nsqd.http_addresses[0][1] if nsqd.http_addresses else 0)
+    return json.dumps({
+        "version": NSQD_VERSION,
+        "tcp_port": tcp_port,
+        "http_port": http_port,
+        "hostname": socket.gethostname(),
+        "broadcast_address": opts.broadcast_address,
+        "topology_zone": opts.topology_zone,
+        "topology_region": opts.topology_region,
+    }).encode()
+
+
+def command(verb: str, topic: str, channel: str) -> bytes:
+    return f"{verb} {topic} {channel}\n".encode() if channel else f"{verb} {topic}\n".encode()
+
+
+class LookupPeer:
+    def __init__(self, nsqd: NSQD, address: str) -> None:
+        self.nsqd = nsqd
+        self.address = address
+        self.registered: set[tuple[str, str]] = set()
+        self.info: dict = {}
+        self._changed = trio.lowlevel.ParkingLot()
+        self._dirty = False
+
+    def notify(self) -> None:
+        self._dirty = True
+        self._changed.unpark_all()
+
+    async def run(self) -> None:
+        backoff = 1.0
+        while True:
+            try:
+                await self._session()
+            except (OSError, trio.BrokenResourceError, trio.TooSlowError, ValueError, EOFError) as exc:
+                log.warning("lookupd connection failed", lookupd=self.address, error=str(exc) or type(exc).__name__)
+            self.registered.clear()
+            await trio.sleep(backoff)
+            backoff = min(backoff * 2, MAX_BACKOFF)
+
+    async def _session(self) -> None:
+        host, port = split_host_port(self.address)
+        with trio.fail_after(CONNECT_TIMEOUT):
+            stream = await trio.open_tcp_stream(host or "127.0.0.1", port)
+        async with stream:
+            reader = _Responses(stream)
+            await stream.send_all(b"  V1")
+            body = identify_body(self.nsqd)
+            await stream.send_all(b"IDENTIFY\n" + struct.pack(">i", len(body)) + body)
+            response = await reader.next()
+            if response.startswith(b"E_"):
+                raise ValueError(f"lookupd refused IDENTIFY: {response.decode(errors='replace')}")
+            self.info = json.loads(response)
+            log.info("lookupd connected", lookupd=self.address, info=self.info)
+            next_ping = trio.current_time() + PING_INTERVAL
+            while True:
+                self._dirty = False
+                await self._sync(stream, reader)
+                if not self._dirty:
+                    await self._idle(stream, next_ping)
+                if trio.current_time() >= next_ping:
+                    await stream.send_all(b"PING\n")
+                    await reader.next()
+                    next_ping = trio.current_time() + PING_INTERVAL
+
+    async def _idle(self, stream: trio.SocketStream, deadline: float) -> None:
+        """Wait for a change, the next ping, or the lookupd hanging up (noticed at once)."""
+        hung_up = False
+        async with trio.open_nursery() as nursery:
+            async def changed() -> None:
+                await self._changed.park()
+                nursery.cancel_scope.cancel()
+
+            async def readable() -> None:
+                nonlocal hung_up
+                await trio.lowlevel.wait_readable(stream.socket)
+                hung_up = True
+                nursery.cancel_scope.cancel()
+
+            nursery.cancel_scope.deadline = deadline
+            nursery.start_soon(changed)
+            nursery.start_soon(readable)
+        if hung_up and not await stream.receive_some(65536):
+            raise EOFError("lookupd closed the connection")
+
+    async def _sync(self, stream, reader) -> None:
+        wanted = registrations(self.nsqd)
+        for topic, channel in sorted(self.registered - wanted, key=lambda r: (r[0], r[1] == "")):
+            await self._send(stream, reader, "UNREGISTER", topic, channel)
+            self.registered.discard((topic, channel))
+        for topic, channel in sorted(wanted - self.registered):
+            await self._send(stream, reader, "REGISTER", topic, channel)
+            self.registered.add((topic, channel))
+
+    async def _send(self, stream, reader, verb: str, topic: str, channel: str) -> None:
+        await stream.send_all(command(verb, topic, channel))
+        response = await reader.next()
+        if response != b"OK":
+            log.warning("lookupd answered", lookupd=self.address, command=verb, topic=topic,
+                        channel=channel, response=response.decode(errors="replace"))
+
+
+class _Responses:
+    """``size(4) | data`` answers, bounded in size."""
+
+    def __init__(self, stream: trio.abc.Stream, limit: int = 1024 * 1024) -> None:
+        self._stream = stream
+        self._buf = bytearray()
+        self._limit = limit
+
+    async def next(self) -> bytes:
+        with trio.fail_after(RESPONSE_TIMEOUT):
+            while True:
+                if len(self._buf) >= 4:
+                    size = struct.unpack_from(">i", self._buf)[0]
+                    if not 0 <= size <= self._limit:
+                        raise ValueError(f"bad lookupd response size {size}")
+                    if len(self._buf) >= 4 + size:
+                        data = bytes(self._buf[4:4 + size])
+                        del self._buf[:4 + size]
+                        return data
+                chunk = await self._stream.receive_some(65536)
+                if not chunk:
+                    raise EOFError("lookupd closed the connection")
+                self._buf += chunk
+
+
+async def lookup_loop(nsqd: NSQD) -> None:
+    """Run one peer per configured nsqlookupd until cancelled."""
+    async with trio.open_nursery() as nursery:
+        for address in nsqd.options.lookupd_tcp_addresses:
+            peer = LookupPeer(nsqd, address)
+            nsqd.lookup_peers.append(peer)
+            nursery.start_soon(peer.run)

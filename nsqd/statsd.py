@@ -1,0 +1,118 @@
+"""Push nsqd's metrics to statsd over UDP, with nsqd's metric names.
+
+Every ``--statsd-interval`` the daemon takes one stats snapshot and sends
+counters (``|c``, the change since the last push) and gauges (``|g``) under
+``--statsd-prefix`` (``%s`` becomes the broadcast ``host_port``), packed
+into UDP datagrams of at most ``--statsd-udp-packet-size`` bytes.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import TYPE_CHECKING
+
+import structlog
+import trio
+
+from . import stats
+from .options import split_host_port
+
+if TYPE_CHECKING:
+    from .nsqd import NSQD
+
+log = structlog.get_logger("nsqd.statsd")
+
+
+def host_key(host_port: str) -> str:
+    return host_port.replace(".", "_").replace(":", "_")
+
+
+def metric_prefix(prefix: str, broadcast_address: str, http_port: int) -> str:
+    if not prefix:
+        return ""
+    prefix = prefix.replace("%s", host_key(f"{broadcast_address}:{http_port}"))
+    return prefix if prefix.endswith(".") else prefix + "."
+
+
+class StatsdReporter:
+    """Turns successive snapshots into statsd lines (pure; no I/O)."""
+
+    def __init__(self, prefix: str, exclude_ephemeral: bool, mem_stats: bool) -> None:
+        self.prefix = prefix
+        self.exclude_ephemeral = exclude_ephemeral
+        self.mem_stats = mem_stats
+        self._last: dict[str, int] = {}
+
+    def _counter(self, out: list[str], name: str, total: int) -> None:
+        diff = total - self._last.get(name, 0)
+        self._last[name] = total
+        out.append(f"{self.prefix}{name}:{diff}|c")
+
+    def _gauge(self, out: list[str], name: str, value: int) -> None:
+        out.append(f"{self.prefix}{name}:{int(value)}|g")
+
+    def lines(self, snapshot: stats.NSQDStats) -> list[str]:
+        out: list[str] = []
+        for t in snapshot.topics:
+            if self.exclude_ephemeral and t.topic_name.endswith("#ephemeral"):
+                continue
+            base = f"topic.{t.topic_name}"
+            self._counter(out, f"{base}.message_count", t.message_count)
+            self._counter(out, f"{base}.message_bytes", t.message_bytes)
+            self._gauge(out, f"{base}.depth", t.depth)
+            self._gauge(out, f"{base}.backend_depth", t.backend_depth)
+            for p in t.e2e_processing_latency.percentiles:
+                self._gauge(out, f"{base}.e2e_processing_latency_{p['quantile'] * 100:.0f}", p["value"])
+            for c in t.channels:
+                if self.exclude_ephemeral and c.channel_name.endswith("#ephemeral"):
+                    continue
+                cbase = f"{base}.channel.{c.channel_name}"
+                self._counter(out, f"{cbase}.message_count", c.message_count)
+                self._gauge(out, f"{cbase}.depth", c.depth)
+                self._gauge(out, f"{cbase}.backend_depth", c.backend_depth)
+                self._gauge(out, f"{cbase}.in_flight_count", c.in_flight_count)
+                self._gauge(out, f"{cbase}.deferred_count", c.deferred_count)
+                self._counter(out, f"{cbase}.requeue_count", c.requeue_count)
+                self._counter(out, f"{cbase}.timeout_count", c.timeout_count)
+                self._gauge(out, f"{cbase}.clients", c.client_count)
+                for p in c.e2e_processing_latency.percentiles:
+                    self._gauge(out, f"{cbase}.e2e_processing_latency_{p['quantile'] * 100:.0f}", p["value"])
+        if self.mem_stats:
+            self._gauge(out, "mem.heap_objects", len(gc.get_objects()))
+            self._counter(out, "mem.gc_runs", sum(s["collections"] for s in gc.get_stats()))
+        return out
+
+
+def packets(lines: list[str], size: int) -> list[bytes]:
+    """Pack newline-terminated lines into datagrams of at most ``size`` bytes."""
+    out, current = [], b""
+    for line in lines:
+        data = line.encode() + b"\n"
+        if current and len(current) + len(data) > size:
+            out.append(current)
+            current = b""
+        current += data
+    if current:
+        out.append(current)
+    return out
+
+
+async def statsd_loop(nsqd: NSQD) -> None:
+    opts = nsqd.options
+    if not opts.statsd_address:
+        return
+    host, port = split_host_port(opts.statsd_address)
+    http_port = opts.broadcast_http_port or (nsqd.http_addresses[0][1] if nsqd.http_addresses else 0)
+    reporter = StatsdReporter(metric_prefix(opts.statsd_prefix, opts.broadcast_address, http_port),
+                              opts.statsd_exclude_ephemeral, opts.statsd_mem_stats)
+    sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_DGRAM)
+    with sock:
+        await sock.connect((host or "127.0.0.1", port))
+        while True:
+            await trio.sleep(opts.statsd_interval)
+            for packet in packets(reporter.lines(stats.snapshot(nsqd, include_clients=False)),
+                                  opts.statsd_udp_packet_size):
+                try:
+                    await sock.send(packet)
+                except OSError as exc:  # nobody listening: statsd is best effort
+                    log.debug("statsd send failed", error=str(exc))
