@@ -116,7 +116,8 @@ class LookupPeer:
         hung_up = False
         async with trio.open_nursery() as nursery:
             async def changed() -> None:
-                await self._changed.park()
+                if not self._dirty:  # a change may land before this task first runs
+                    await self._changed.park()
                 nursery.cancel_scope.cancel()
 
             async def readable() -> None:
