@@ -26,7 +26,7 @@ import structlog
 import trio
 from hypercorn.config import Config, Sockets
 
-from . import message, stats
+from . import auth, message, stats
 from .channel import ChannelExiting
 from .names import is_valid_channel_name, is_valid_topic_name
 from .options import TLS_REQUIRED, OptionsError, parse_log_level, split_host_port
@@ -108,6 +108,8 @@ class Request:
     content_length: int | None
     receive: Callable[[], Awaitable[dict]]
     secure: bool = False
+    secret: str = ""
+    remote_ip: str = ""
 
     @property
     def uri(self) -> str:
@@ -154,6 +156,7 @@ class HTTPAPI:
 
     def __init__(self, nsqd) -> None:
         self.nsqd = nsqd
+        self._auth_cache: dict[str, auth.AuthState] = {}
         # path -> method -> handler; /ping alone answers in plain text
         self.routes: dict[str, dict[str, Handler]] = {
             "/ping": {"GET": self.ping},
@@ -188,6 +191,8 @@ class HTTPAPI:
             content_length=_content_length(scope["headers"]),
             receive=receive,
             secure=scope.get("scheme") == "https",
+            secret=_bearer(scope["headers"]),
+            remote_ip=(scope.get("client") or ("", 0))[0],
         )
         try:
             status, headers, body = await self.respond(request)
@@ -220,12 +225,52 @@ class HTTPAPI:
                 return 200, [(b"allow", allow)], Body(b"", None)
             status, headers, body = _v1_error(405, "METHOD_NOT_ALLOWED")
             return status, [(b"allow", allow), *headers], body
+        if self.nsqd.options.auth_http_addresses and request.path not in _OPEN_PATHS and request.method != "GET":
+            refused = await self._check_auth(request)
+            if refused is not None:
+                return _v1_error(*refused)
         status, result = await self._run(handler, request, params)
         if request.path == "/ping":  # Go's PlainText style
             return status, [], text_body(result)
         if status != 200:
             return _v1_error(status, result)
         return 200, [_V1_HEADER], _v1_body(result)
+
+    async def _check_auth(self, request: Request) -> tuple[int, str] | None:
+        """With auth on, publishing and admin calls carry ``Authorization: Bearer <secret>``.
+
+        /pub and /mpub need publish permission on the topic; topic and channel
+        admin calls need both publish and subscribe on the topic (and channel);
+        PUT /config needs any valid secret.
+        """
+        if not request.secret:
+            return 401, "AUTH_REQUIRED"
+        state = self._auth_cache.get(request.secret)
+        now = self.nsqd.now_ns() / 1e9
+        if state is None or state.is_expired(now):
+            opts = self.nsqd.options
+            try:
+                state = await auth.query_any(
+                    opts.auth_http_addresses, remote_ip=request.remote_ip, tls=request.secure,
+                    secret=request.secret, now=now, method=opts.auth_http_request_method,
+                    connect_timeout=opts.http_client_connect_timeout,
+                    request_timeout=opts.http_client_request_timeout)
+            except auth.AuthError as exc:
+                log.warning("HTTP AUTH failed", error=str(exc))
+                return 401, "AUTH_FAILED"
+            if len(self._auth_cache) >= _AUTH_CACHE_SIZE:
+                self._auth_cache.pop(next(iter(self._auth_cache)))
+            self._auth_cache[request.secret] = state
+        if request.path.startswith("/config/"):
+            return None if state.authorizations else (403, "AUTH_UNAUTHORIZED")
+        query = request.query()
+        topic = (query.get("topic") or [""])[-1]
+        channel = (query.get("channel") or [""])[-1]
+        if request.path in ("/pub", "/mpub"):
+            allowed = state.allows(topic)
+        else:
+            allowed = state.allows(topic) and state.allows(topic, channel or ".")
+        return None if allowed else (403, "AUTH_UNAUTHORIZED")
 
     @staticmethod
     async def _run(handler: Handler, request: Request, params: dict[str, str]) -> tuple[int, object]:
@@ -517,6 +562,18 @@ def _v1_body(result: object) -> Body:
 
 def _v1_error(status: int, message: str) -> tuple[int, list[tuple[bytes, bytes]], Body]:
     return status, [_V1_HEADER], json_body({"message": message})
+
+
+#: endpoints that stay open when auth is on (they only read)
+_OPEN_PATHS = frozenset(("/ping", "/info", "/stats"))
+_AUTH_CACHE_SIZE = 1024
+
+
+def _bearer(headers: list[tuple[bytes, bytes]]) -> str:
+    for name, value in headers:
+        if name.lower() == b"authorization" and value[:7].lower() == b"bearer ":
+            return value[7:].decode("latin-1").strip()
+    return ""
 
 
 def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:

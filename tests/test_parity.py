@@ -298,3 +298,26 @@ def test_statsd_packets_respect_the_size():
     datagrams = packets(lines, 100)
     assert all(len(d) <= 100 for d in datagrams)
     assert b"".join(datagrams).decode().splitlines() == lines
+
+
+async def test_http_publish_and_admin_need_a_secret_when_auth_is_on(tmp_path):
+    from .conftest import HTTPClient
+
+    server = AuthServer({"pub": grant("^t$", [".*"], ["publish"]),
+                         "admin": grant("^t$", [".*"], ["publish", "subscribe"])})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        async with running_nsqd(tmp_path, http_address="127.0.0.1:0",
+                                auth_http_addresses=[f"127.0.0.1:{server.port}"]) as nsqd:
+            http = HTTPClient(nsqd.http_addresses[0][1])
+            bearer = lambda s: (("authorization", f"Bearer {s}"),)
+            assert (await http.request("GET", "/ping")).status == 200
+            assert (await http.request("POST", "/pub?topic=t", b"x")).json() == {"message": "AUTH_REQUIRED"}
+            assert (await http.request("POST", "/pub?topic=t", b"x", headers=bearer("nope"))).status == 401
+            assert (await http.request("POST", "/pub?topic=t", b"x", headers=bearer("pub"))).status == 200
+            assert (await http.request("POST", "/pub?topic=u", b"x", headers=bearer("pub"))).status == 403
+            resp = await http.request("POST", "/topic/empty?topic=t", headers=bearer("pub"))
+            assert (resp.status, resp.json()) == (403, {"message": "AUTH_UNAUTHORIZED"})
+            assert (await http.request("POST", "/topic/empty?topic=t", headers=bearer("admin"))).status == 200
+            assert server.queries == ["nope", "pub", "admin"]  # answers are cached until they expire
+            nursery.cancel_scope.cancel()
