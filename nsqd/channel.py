@@ -57,6 +57,9 @@ class Consumer(Protocol):
     def close(self) -> None:
         """The channel is being deleted: the consumer must go."""
 
+    def drain(self) -> None:
+        """The daemon is shutting down: finish what you hold, then leave."""
+
 
 class Lease:
     """Deliveries tagged with one name, settled together from any connection.
@@ -105,6 +108,8 @@ class Channel:
         self.backend = backend
         self.paused = False
         self.exiting = False
+        #: shutdown in progress: nothing more is delivered
+        self.draining = False
         self.consumers: dict[int, Consumer] = {}
         self._on_last_consumer_gone = on_last_consumer_gone
         self._chunks: deque[Chunk] = deque()
@@ -151,7 +156,7 @@ class Channel:
 
     # ------------------------------------------------------------- consumers
     def add_consumer(self, consumer_id: int, consumer: Consumer, max_consumers: int = 0) -> None:
-        if self.exiting:
+        if self.exiting or self.draining:
             raise ChannelExiting("exiting")
         if consumer_id in self.consumers:
             return
@@ -243,7 +248,7 @@ class Channel:
         messages, so neither starves (nsqd gives no ordering guarantee either).
         """
         pieces: list[Chunk] = []
-        if self.paused or self.exiting:
+        if self.paused or self.exiting or self.draining:
             return pieces
         want = n
         disk_first = self._disk_turn = not self._disk_turn

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, Callable
 
+from . import message
 from .in_flight import InFlight
 
 if TYPE_CHECKING:
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
 STATE_INIT = 0
 STATE_SUBSCRIBED = 3
 STATE_CLOSING = 4
+
+_CLOSE_WAIT = message.encode_response(b"CLOSE_WAIT")
 
 #: a client with messages in flight refills only once this share of RDY is free,
 #: so a busy consumer gets big batches instead of one message per FIN
@@ -82,6 +85,12 @@ class ClientV2:
         """The channel is going away: end this connection (as nsqd does)."""
         self.exit_requested = True
         self.on_wake()
+
+    def drain(self) -> None:
+        """Shutdown: tell the client to finish and close, as nsqd answers CLS."""
+        if self.state == STATE_SUBSCRIBED:
+            self.out.append(_CLOSE_WAIT)
+            self.on_wake()
 
     def messages_timed_out(self, count: int) -> None:
         self.timeout_count += count

@@ -339,8 +339,9 @@ class HTTPAPI:
             raise HTTPError(404, "CHANNEL_NOT_FOUND")
         return channel
 
-    @staticmethod
-    def _put(cmd: str, topic_name: str, put: Callable[[], None]) -> None:
+    def _put(self, cmd: str, topic_name: str, put: Callable[[], None]) -> None:
+        if self.nsqd.draining:
+            raise HTTPError(503, "EXITING")
         try:
             put()
         except ChannelExiting:

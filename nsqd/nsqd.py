@@ -31,7 +31,7 @@ import trio
 
 from . import diskq, message, tls
 from .diskq import goimport
-from .channel import Channel
+from .channel import Channel, ChannelExiting
 from .client_v2 import ClientV2
 from .guid import GUIDFactory
 from .options import TLS_NOT_REQUIRED, Options, OptionsError, split_host_port
@@ -61,6 +61,8 @@ class NSQD:
         self.health = "OK"
         #: bumped whenever a topic or channel appears or goes (the scan loop refreshes)
         self.channels_version = 0
+        #: set once shutdown starts: publishes and subscriptions are refused
+        self.draining = False
         self.lookup_peers: list = []
         self._client_seq = 0
         self._wall0 = time.time_ns()
@@ -98,8 +100,8 @@ class NSQD:
     def get_topic(self, name: str) -> Topic:
         topic = self.topics.get(name)
         if topic is None:
-            if self._shutdown.is_set():
-                raise RuntimeError("exiting")
+            if self.draining:
+                raise ChannelExiting("exiting")
             topic = Topic(
                 name,
                 mem_queue_size=self.options.mem_queue_size,
@@ -357,12 +359,29 @@ class NSQD:
                     self.ready.set()
                     task_status.started(self)
                     await self._shutdown.wait()
+                    await self._drain()
                     log.info("shutting down")
                     services.cancel_scope.cancel()
             finally:
                 with trio.CancelScope(shield=True):
                     self._persist()
                 queues.cancel_scope.cancel()
+
+    async def _drain(self) -> None:
+        """Graceful drain: no new publishes, subscriptions or deliveries; consumers get
+        ``--shutdown-grace`` to finish what they hold (everything else is persisted)."""
+        self.draining = True
+        for channel in self.channels():
+            channel.draining = True
+            for consumer in channel.consumers.values():
+                consumer.drain()
+        in_flight = sum(c.in_flight_count for c in self.channels())
+        log.info("draining", in_flight=in_flight, grace=self.options.shutdown_grace)
+        with trio.move_on_after(self.options.shutdown_grace):
+            while sum(c.in_flight_count for c in self.channels()):
+                await trio.sleep(0.05)
+        left = sum(c.in_flight_count for c in self.channels())
+        log.info("drained", finished=in_flight - left, still_in_flight=left)
 
     def _persist(self) -> None:
         """Write everything held in memory to the disk queues, close them, save metadata."""

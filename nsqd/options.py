@@ -426,6 +426,11 @@ class Options:
         exposed=False,
     )
 
+    # shutdown (not in Go nsqd)
+    shutdown_grace: float = _opt(
+        "duration", 5.0, "on SIGTERM/SIGINT, how long consumers get to finish in-flight messages", exposed=False
+    )
+
     # AMQP gateway (not in Go nsqd)
     amqp_address: str = _opt(
         "str", "127.0.0.1:5672", "<addr>:<port> for the AMQP gateway (empty disables)", exposed=False
@@ -507,6 +512,7 @@ class Options:
         ):
             _need(getattr(self, name) > 0, f"{_flag(name)} must be > 0")
         _need(self.max_channel_consumers >= 0, "--max-channel-consumers must be >= 0")
+        _need(self.shutdown_grace >= 0, "--shutdown-grace must be >= 0")
         _need(self.topic_max_messages >= 0, "--topic-max-messages must be >= 0")
         _need(self.channel_max_messages >= 0, "--channel-max-messages must be >= 0")
 

@@ -583,6 +583,8 @@ class ProtocolV2:
         return _OK
 
     def _publish(self, topic_name: str, cmd: str, put, count: int) -> None:
+        if self.nsqd.draining:
+            raise ClientError(f"E_{cmd}_FAILED", f"{cmd} failed exiting", fatal=False)
         try:
             topic = self.nsqd.get_topic(topic_name)
             put(topic)

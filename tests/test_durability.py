@@ -100,3 +100,32 @@ async def test_sigkill_keeps_what_reached_the_disk_queue(tmp_path):
     got = await drain(conn, 500)
     assert sorted(m.body for m in got) == sorted(b"%d" % i for i in range(500))
     assert await daemon.stop() == 0
+
+
+async def test_sigterm_drains_in_flight_within_the_grace_period(tmp_path):
+    daemon = Daemon(tmp_path, "--shutdown-grace=3s")
+    await daemon.wait_ready()
+    conn = await NSQConnection.open(daemon.port)
+    await conn.sub("t", "c")
+    await conn.mpub("t", [b"%d" % i for i in range(10)])
+    await conn.command("RDY 4")
+    held = [await conn.read_message() for _ in range(4)]
+    daemon.proc.send_signal(signal.SIGTERM)
+    await conn.expect_response(b"CLOSE_WAIT")
+    await conn.command("PUB t", b"late")
+    await conn.expect_error("E_PUB_FAILED PUB failed exiting")
+    for msg in held[:3]:  # finish three within the grace period, keep one
+        await conn.command(b"FIN " + msg.id)
+    assert await trio.to_thread.run_sync(daemon.proc.wait, 30) == 0
+
+    daemon = Daemon(tmp_path)
+    await daemon.wait_ready()
+    conn = await NSQConnection.open(daemon.port)
+    await conn.sub("t", "c")
+    await conn.command("RDY 20")
+    got = await drain(conn, 7)
+    assert sorted(m.body for m in got) == sorted([held[3].body] + [b"%d" % i for i in range(4, 10)])
+    with trio.move_on_after(0.3):
+        await conn.read_message()
+        raise AssertionError("a finished message came back")
+    assert await daemon.stop() == 0

@@ -107,6 +107,7 @@ EXPECTED_DEFAULTS = {
     "log_format": "console",
     "topic_max_messages": 0,
     "channel_max_messages": 0,
+    "shutdown_grace": 5.0,
     "amqp_address": "127.0.0.1:5672",
 }
 
@@ -196,6 +197,7 @@ FLAG_SAMPLES = {
     "log_prefix": ("[x] ", "[x] "),
     "log_format": ("json", "json"),
     "topic_max_messages": ("100", 100),
+    "shutdown_grace": ("1500ms", 1.5),
     "channel_max_messages": ("50", 50),
     "amqp_address": ("0.0.0.0:5673", "0.0.0.0:5673"),
 }
@@ -690,6 +692,7 @@ def test_config_exposes_exactly_nsqds_names():
         "amqp_address",
         "topic_max_messages",
         "channel_max_messages",
+        "shutdown_grace",
         "log_format",
         "config",
         "bogus",
