@@ -567,6 +567,9 @@ class BareConsumer:
     def close(self) -> None:
         pass
 
+    def drain(self) -> None:
+        pass
+
 
 async def test_stats_render_consumers_that_lack_client_fields(nsqd_server, http):
     assert_ok_empty(await http.post("/topic/create?topic=t"))
