@@ -373,7 +373,7 @@ class NSQD:
         self.draining = True
         for channel in self.channels():
             channel.draining = True
-            for consumer in channel.consumers.values():
+            for consumer in list(channel.consumers.values()):
                 consumer.drain()
         in_flight = sum(c.in_flight_count for c in self.channels())
         log.info("draining", in_flight=in_flight, grace=self.options.shutdown_grace)
