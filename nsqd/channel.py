@@ -125,12 +125,20 @@ class Channel:
         self.leases: dict[str, Lease] = {}
         #: publish-to-FIN latency, when --e2e-processing-latency-percentile is set
         self.e2e: LatencyWindow | None = None
+        # policies beyond nsqd (0 = off): set by the topic, changed over HTTP
+        self.max_messages = 0
+        self.max_attempts = 0
+        self.ttl_ns = 0
+        #: where messages that must not be delivered again go (None: dropped)
+        self.dead_letter: Callable[[list[bytes]], None] | None = None
         # counters, as in nsqd's channel stats
         self.message_count = 0
         self.requeue_count = 0
         self.timeout_count = 0
         self.dropped_count = 0
         self.rejected_count = 0
+        self.dead_letter_count = 0
+        self.expired_count = 0
 
     # ----------------------------------------------------------- derived stats
     @property
@@ -178,8 +186,7 @@ class Channel:
         frames = consumer.in_flight.drain()
         if frames and not self.exiting:
             self.requeue_count += len(frames)
-            self._push_front([message.next_attempt(f) for f in frames])
-            self._wake(len(frames))
+            self._give_back(frames)
         if not self.consumers and self.ephemeral and self._on_last_consumer_gone is not None:
             self._on_last_consumer_gone(self)
 
@@ -246,21 +253,50 @@ class Channel:
         A consumer that gets fewer than it asked for is remembered as hungry and
         woken when messages arrive. Memory and disk take turns when both hold
         messages, so neither starves (nsqd gives no ordering guarantee either).
+        Messages past the channel's TTL are dropped here, never delivered.
         """
         pieces: list[Chunk] = []
         if self.paused or self.exiting or self.draining:
             return pieces
         want = n
-        disk_first = self._disk_turn = not self._disk_turn
-        if disk_first and self.backend is not None and self.backend.depth:
-            want -= self._take_disk(want, pieces, now_ns)
-        if want > 0 and self._mem_count:
-            want -= self._take_memory(want, pieces)
-        if want > 0 and self.backend is not None and self.backend.depth:
-            want -= self._take_disk(want, pieces, now_ns)
+        while True:
+            batch: list[Chunk] = []
+            taken = self._take_some(want, batch, now_ns)
+            got = taken
+            if self.ttl_ns and taken:
+                batch = self._unexpired(batch, now_ns - self.ttl_ns)
+                got = sum(len(ids) for ids, _ in batch)
+            pieces += batch
+            want -= got
+            if got == taken or want <= 0:  # nothing expired, or enough
+                break
         if want > 0:
             self._hungry[consumer] = None
         return pieces
+
+    def _take_some(self, want: int, pieces: list[Chunk], now_ns: int) -> int:
+        taken = 0
+        disk_first = self._disk_turn = not self._disk_turn
+        if disk_first and self.backend is not None and self.backend.depth:
+            taken += self._take_disk(want, pieces, now_ns)
+        if want > taken and self._mem_count:
+            taken += self._take_memory(want - taken, pieces)
+        if want > taken and self.backend is not None and self.backend.depth:
+            taken += self._take_disk(want - taken, pieces, now_ns)
+        return taken
+
+    def _unexpired(self, pieces: list[Chunk], cutoff_ns: int) -> list[Chunk]:
+        """Drop (and count) messages published before ``cutoff_ns``: never delivered."""
+        kept: list[Chunk] = []
+        for ids, frames in pieces:
+            fresh = [i for i, f in enumerate(frames) if message.frame_timestamp(f) >= cutoff_ns]
+            if len(fresh) == len(frames):
+                kept.append((ids, frames))
+                continue
+            self.expired_count += len(frames) - len(fresh)
+            if fresh:
+                kept.append(([ids[i] for i in fresh], [frames[i] for i in fresh]))
+        return kept
 
     def _take_memory(self, n: int, pieces: list[Chunk]) -> int:
         taken = 0
@@ -316,6 +352,9 @@ class Channel:
         """
         self.requeue_count += 1
         if count_attempt:
+            if self._exhausted(frame):
+                self._dead_letter([frame])
+                return
             frame = message.next_attempt(frame)
         if failed:
             self.count_failure(message.frame_id(frame))
@@ -335,10 +374,41 @@ class Channel:
             pop(msg_id, None)
 
     def reject(self, frame: bytes) -> None:
-        """A consumer refused a message for good: it leaves the channel, counted."""
+        """A consumer refused a message for good: it goes to the dead-letter topic."""
         self.rejected_count += 1
+        self._dead_letter([frame])
+
+    def _exhausted(self, frame: bytes) -> bool:
+        """The message has had all the deliveries ``max_attempts`` allows."""
+        return bool(self.max_attempts) and message.frame_attempts(frame) >= self.max_attempts
+
+    def _give_back(self, frames: list[bytes]) -> None:
+        """Delivered messages back to the head of the queue, or to the dead letters."""
+        if self.max_attempts:
+            dead = [f for f in frames if self._exhausted(f)]
+            if dead:
+                self._dead_letter(dead)
+                frames = [f for f in frames if not self._exhausted(f)]
+        if frames:
+            self._push_front([message.next_attempt(f) for f in frames])
+            self._wake(len(frames))
+
+    def _dead_letter(self, frames: list[bytes]) -> None:
+        self.dead_letter_count += len(frames)
         if self.failed:
-            self.failed.pop(message.frame_id(frame), None)
+            self.forget([message.frame_id(f) for f in frames])
+        if self.dead_letter is None:
+            self.dropped_count += len(frames)
+            return
+        self.dead_letter(frames)
+
+    def drop_oldest(self, count: int, now_ns: int) -> None:
+        """Make room under the drop-oldest policy: the head of the queue goes first."""
+        pieces: list[Chunk] = []
+        dropped = self._take_memory(min(count, self._mem_count), pieces)
+        if dropped < count and self.backend is not None:
+            dropped += len(self.backend.read_many(count - dropped))
+        self.dropped_count += dropped
 
     # ---------------------------------------------------------------- leases
     def open_lease(self, name: str, consumer: Consumer, now_ns: int, timeout_ns: int) -> tuple[Lease, list[bytes]]:
@@ -426,7 +496,7 @@ class Channel:
         self.timeout_count += len(frames)
         for frame in frames:
             self.count_failure(message.frame_id(frame))
-        self._push_front([message.next_attempt(f) for f in frames])
+        self._give_back(frames)
 
     def process_deferred(self, now_ns: int) -> bool:
         """Move deferred messages that are due to the queue; True if there was any."""

@@ -29,7 +29,8 @@ from hypercorn.config import Config, Sockets
 from . import auth, message, stats
 from .channel import ChannelExiting
 from .names import is_valid_channel_name, is_valid_topic_name
-from .options import TLS_REQUIRED, OptionsError, parse_log_level, split_host_port
+from .nsqd import set_channel_policy, set_topic_policy
+from .options import OVERFLOW_POLICIES, TLS_REQUIRED, OptionsError, parse_log_level, split_host_port
 from .protocol_v2 import ClientError, build_mpub
 from .topic import QueueFull
 from .version import NSQD_VERSION
@@ -175,6 +176,9 @@ class HTTPAPI:
             "/channel/pause": {"POST": partial(self.channel_pause, pause=True)},
             "/channel/unpause": {"POST": partial(self.channel_pause, pause=False)},
             "/config/:opt": {"GET": self.config, "PUT": self.config},
+            "/topic/limits": {"POST": self.topic_limits},
+            "/channel/limits": {"POST": self.channel_limits},
+            "/topic/redrive": {"POST": self.topic_redrive},
         }
 
     async def __call__(self, scope: dict, receive, send) -> None:
@@ -478,6 +482,60 @@ class HTTPAPI:
             topic.unpause()
         self.nsqd.persist_metadata_soon()
 
+    # ------------------------------------------------- policies beyond nsqd
+    async def topic_limits(self, request: Request) -> dict:
+        """Set a topic's limits and policies (and its channels' defaults); answers them all."""
+        query = request.query()
+        name = _first(query, "topic")
+        if name is None:
+            raise HTTPError(400, "MISSING_ARG_TOPIC")
+        topic = self._existing_topic(name)
+        policy = _policy_args(query, ("max_messages", "channel_max_messages", "max_attempts", "message_ttl_ms"))
+        overflow = _first(query, "overflow")
+        if overflow is not None:
+            if overflow not in OVERFLOW_POLICIES:
+                raise HTTPError(400, "INVALID_ARG_OVERFLOW")
+            policy["overflow"] = overflow
+        set_topic_policy(topic, policy)
+        self.nsqd.persist_metadata_soon()
+        return {"max_messages": topic.max_messages, "channel_max_messages": topic.channel_max_messages,
+                "overflow": topic.overflow, "max_attempts": topic.max_attempts,
+                "message_ttl_ms": topic.ttl_ns // 1_000_000}
+
+    async def channel_limits(self, request: Request) -> dict:
+        topic, channel_name = self._topic_and_channel(request)
+        channel = topic.channels.get(channel_name)
+        if channel is None:
+            raise HTTPError(404, "CHANNEL_NOT_FOUND")
+        set_channel_policy(channel, _policy_args(request.query(), ("max_messages", "max_attempts", "message_ttl_ms")))
+        self.nsqd.persist_metadata_soon()
+        return {"max_messages": channel.max_messages, "max_attempts": channel.max_attempts,
+                "message_ttl_ms": channel.ttl_ns // 1_000_000}
+
+    async def topic_redrive(self, request: Request) -> dict:
+        """Move messages kept by a topic with no channels (dead letters) to another topic.
+
+        They keep their ids and start over with attempts 1. ``count`` bounds how
+        many (default: all of them).
+        """
+        query = request.query()
+        name = _first(query, "topic")
+        target = _first(query, "to")
+        if name is None:
+            raise HTTPError(400, "MISSING_ARG_TOPIC")
+        if target is None or not is_valid_topic_name(target):
+            raise HTTPError(400, "INVALID_ARG_TO")
+        source = self._existing_topic(name)
+        if source.channels:
+            raise HTTPError(400, "TOPIC_HAS_CHANNELS")
+        count = _policy_args(query, ("count",)).get("count", source.depth)
+        frames = [message.with_attempts(f, 1) for f in source.take_backlog(count)]
+        if frames:
+            ids = [message.frame_id(f) for f in frames]
+            nbytes = sum(len(f) for f in frames) - message.FRAME_OVERHEAD * len(frames)
+            self._put("MPUB", target, lambda: self.nsqd.get_topic(target).put_chunk(ids, frames, nbytes))
+        return {"moved": len(frames), "left": source.depth}
+
     async def channel_create(self, request: Request) -> None:
         topic, channel_name = self._topic_and_channel(request)
         try:
@@ -568,6 +626,19 @@ def _v1_error(status: int, message: str) -> tuple[int, list[tuple[bytes, bytes]]
 #: endpoints that stay open when auth is on (they only read)
 _OPEN_PATHS = frozenset(("/ping", "/info", "/stats"))
 _AUTH_CACHE_SIZE = 1024
+
+
+def _policy_args(query: dict[str, list[str]], names: tuple[str, ...]) -> dict[str, int]:
+    """Non-negative integer parameters; a bad one is a 400 naming it."""
+    out = {}
+    for name in names:
+        value = _first(query, name)
+        if value is None:
+            continue
+        if not value.isdigit():
+            raise HTTPError(400, f"INVALID_ARG_{name.upper()}")
+        out[name] = int(value)
+    return out
 
 
 def _bearer(headers: list[tuple[bytes, bytes]]) -> str:

@@ -35,7 +35,8 @@ from .channel import Channel, ChannelExiting
 from .client_v2 import ClientV2
 from .guid import GUIDFactory
 from .options import TLS_NOT_REQUIRED, Options, OptionsError, split_host_port
-from .topic import Topic
+from .names import is_valid_topic_name
+from .topic import QueueFull, Topic
 from .version import NSQD_VERSION
 
 log = structlog.get_logger("nsqd")
@@ -56,6 +57,7 @@ class NSQD:
         self.start_time = time.time()
         self.tcp_addresses: list[tuple[str, int]] = []
         self.http_addresses: list[tuple[str, int]] = []
+        self.amqp_addresses: list[tuple[str, int]] = []
         self.https_addresses: list[tuple[str, int]] = []
         self.connections_nursery: trio.Nursery | None = None
         self.health = "OK"
@@ -114,6 +116,10 @@ class NSQD:
                 on_last_channel_gone=self._ephemeral_topic_gone,
             )
             opts = self.options
+            topic.overflow = opts.overflow_policy
+            topic.max_attempts = opts.max_attempts
+            topic.ttl_ns = int(opts.message_ttl * 1e9)
+            topic.dead_letter = partial(self.dead_letter, name)
             if opts.e2e_processing_latency_percentiles:
                 topic.e2e_percentiles = list(opts.e2e_processing_latency_percentiles)
                 topic.e2e_window_ns = int(opts.e2e_processing_latency_window_time * 1e9)
@@ -122,6 +128,19 @@ class NSQD:
             log.info("TOPIC created", topic=name)
             self._topic_changed(topic)
         return topic
+
+    def dead_letter(self, topic_name: str, frames: list[bytes]) -> None:
+        """Publish messages a channel gave up on to ``<topic><suffix>``, ids and attempts kept."""
+        name = topic_name + self.options.dead_letter_suffix
+        if topic_name.endswith("#ephemeral") or not is_valid_topic_name(name):
+            log.warning("dead letters dropped", topic=topic_name, count=len(frames))
+            return
+        try:
+            self.get_topic(name).put_chunk([message.frame_id(f) for f in frames], frames,
+                                           sum(len(f) for f in frames) - message.FRAME_OVERHEAD * len(frames))
+        except (QueueFull, ChannelExiting, diskq.DiskQueueError) as exc:
+            log.error("dead letters dropped", topic=topic_name, dead_letter_topic=name, count=len(frames),
+                      error=str(exc))
 
     def get_existing_topic(self, name: str) -> Topic | None:
         return self.topics.get(name)
@@ -238,11 +257,12 @@ class NSQD:
             if topic.ephemeral:
                 continue
             channels = [
-                {"name": c.name, "paused": c.paused}
+                {"name": c.name, "paused": c.paused, **_channel_policy(c, topic)}
                 for c in sorted(topic.channels.values(), key=lambda c: c.name)
                 if not c.ephemeral
             ]
-            topics.append({"channels": channels, "name": topic.name, "paused": topic.paused})
+            topics.append({"channels": channels, "name": topic.name, "paused": topic.paused,
+                           **_topic_policy(topic, self.options)})
         return {"topics": topics, "version": NSQD_VERSION, "last_message_id": self.guid.last}
 
     def persist_metadata_soon(self) -> None:
@@ -278,8 +298,10 @@ class NSQD:
         try:
             for t in data.get("topics") or []:
                 topic = self.get_topic(t["name"])
+                set_topic_policy(topic, t.get("policy") or {})
                 for c in t.get("channels") or []:
                     channel = topic.get_channel(c["name"])
+                    set_channel_policy(channel, c.get("policy") or {})
                     if c.get("paused"):
                         channel.pause()
                 if t.get("paused"):
@@ -341,6 +363,10 @@ class NSQD:
                         from .http_api import serve_http
 
                         self.http_addresses = await services.start(serve_http, self, self.options.http_address)
+                    if self.options.amqp_address:
+                        from amqp_gateway import serve_amqp
+
+                        self.amqp_addresses = await services.start(serve_amqp, self, self.options.amqp_address)
                     if self.options.https_address:
                         from .http_api import serve_http
 
@@ -403,6 +429,58 @@ class NSQD:
                 self.close_backend(topic.backend)
         self.save_metadata()
         log.info("state persisted", messages=saved)
+
+
+def _overrides(values: dict, defaults: dict) -> dict:
+    """Policies that differ from the daemon's flags, for nsqd.dat; none means Go's exact format."""
+    changed = {k: v for k, v in values.items() if v != defaults[k]}
+    return {"policy": changed} if changed else {}
+
+
+def _default_policy(opts: Options) -> dict:
+    return {"max_messages": opts.topic_max_messages, "channel_max_messages": opts.channel_max_messages,
+            "overflow": opts.overflow_policy, "max_attempts": opts.max_attempts,
+            "message_ttl_ms": int(opts.message_ttl * 1000)}
+
+
+def _topic_policy(topic: Topic, opts: Options) -> dict:
+    return _overrides({"max_messages": topic.max_messages, "channel_max_messages": topic.channel_max_messages,
+                       "overflow": topic.overflow, "max_attempts": topic.max_attempts,
+                       "message_ttl_ms": topic.ttl_ns // 1_000_000}, _default_policy(opts))
+
+
+def _channel_policy(channel: Channel, topic: Topic) -> dict:
+    return _overrides({"max_messages": channel.max_messages, "max_attempts": channel.max_attempts,
+                       "message_ttl_ms": channel.ttl_ns // 1_000_000},
+                      {"max_messages": topic.channel_max_messages, "max_attempts": topic.max_attempts,
+                       "message_ttl_ms": topic.ttl_ns // 1_000_000})
+
+
+def set_topic_policy(topic: Topic, policy: dict) -> None:
+    """Apply saved or requested topic policies; the channel defaults reach its channels."""
+    if "max_messages" in policy:
+        topic.max_messages = int(policy["max_messages"])
+    if "overflow" in policy:
+        topic.overflow = str(policy["overflow"])
+    channel_defaults = {}
+    if "channel_max_messages" in policy:
+        topic.channel_max_messages = channel_defaults["max_messages"] = int(policy["channel_max_messages"])
+    if "max_attempts" in policy:
+        topic.max_attempts = channel_defaults["max_attempts"] = int(policy["max_attempts"])
+    if "message_ttl_ms" in policy:
+        topic.ttl_ns = int(policy["message_ttl_ms"]) * 1_000_000
+        channel_defaults["message_ttl_ms"] = int(policy["message_ttl_ms"])
+    for channel in topic.channels.values():
+        set_channel_policy(channel, channel_defaults)
+
+
+def set_channel_policy(channel: Channel, policy: dict) -> None:
+    if "max_messages" in policy:
+        channel.max_messages = int(policy["max_messages"])
+    if "max_attempts" in policy:
+        channel.max_attempts = int(policy["max_attempts"])
+    if "message_ttl_ms" in policy:
+        channel.ttl_ns = int(policy["message_ttl_ms"]) * 1_000_000
 
 
 def run(options: Options) -> int:

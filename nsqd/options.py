@@ -58,6 +58,7 @@ TLS_VERSIONS = {"tls1.0": 0x0301, "tls1.1": 0x0302, "tls1.2": 0x0303, "tls1.3": 
 EXPERIMENTS = ("topology-aware-consumption",)
 
 LOG_FORMATS = ("console", "json")
+OVERFLOW_POLICIES = ("reject", "drop-oldest")
 
 
 # --- value parsers -----------------------------------------------------------
@@ -426,6 +427,19 @@ class Options:
         exposed=False,
     )
 
+    overflow_policy: str = _opt(
+        "str", "reject", "what a full topic or channel does: reject (refuse publishes) or drop-oldest", exposed=False
+    )
+    max_attempts: int = _opt(
+        "int", 0, "deliveries a message gets before it goes to the dead-letter topic (0 = no limit)", exposed=False
+    )
+    dead_letter_suffix: str = _opt(
+        "str", ".dead", "a channel's dead letters go to the topic named <topic><suffix>", exposed=False
+    )
+    message_ttl: float = _opt(
+        "duration", 0.0, "messages older than this are dropped instead of delivered (0 = no limit)", exposed=False
+    )
+
     # shutdown (not in Go nsqd)
     shutdown_grace: float = _opt(
         "duration", 5.0, "on SIGTERM/SIGINT, how long consumers get to finish in-flight messages", exposed=False
@@ -513,6 +527,12 @@ class Options:
             _need(getattr(self, name) > 0, f"{_flag(name)} must be > 0")
         _need(self.max_channel_consumers >= 0, "--max-channel-consumers must be >= 0")
         _need(self.shutdown_grace >= 0, "--shutdown-grace must be >= 0")
+        _need(self.overflow_policy in OVERFLOW_POLICIES,
+              f"--overflow-policy must be one of {', '.join(OVERFLOW_POLICIES)}")
+        _need(self.max_attempts >= 0, "--max-attempts must be >= 0")
+        _need(self.message_ttl >= 0, "--message-ttl must be >= 0")
+        _need(bool(self.dead_letter_suffix) and all(ch.isalnum() or ch in "._-" for ch in self.dead_letter_suffix),
+              "--dead-letter-suffix must be non-empty and use only [.a-zA-Z0-9_-]")
         _need(self.topic_max_messages >= 0, "--topic-max-messages must be >= 0")
         _need(self.channel_max_messages >= 0, "--channel-max-messages must be >= 0")
 

@@ -97,6 +97,13 @@ class ChannelStats:
     clients: tuple[ClientStats, ...]
     paused: bool
     e2e_processing_latency: E2eLatency
+    # beyond nsqd: present only when non-zero, so the default document is Go's
+    rejected_count: int = field(default=0, metadata=OMITEMPTY)
+    dropped_count: int = field(default=0, metadata=OMITEMPTY)
+    dead_letter_count: int = field(default=0, metadata=OMITEMPTY)
+    expired_count: int = field(default=0, metadata=OMITEMPTY)
+    max_messages: int = field(default=0, metadata=OMITEMPTY)
+    max_attempts: int = field(default=0, metadata=OMITEMPTY)
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,9 @@ class TopicStats:
     message_bytes: int
     paused: bool
     e2e_processing_latency: E2eLatency
+    # beyond nsqd: present only when non-zero
+    dropped_count: int = field(default=0, metadata=OMITEMPTY)
+    max_messages: int = field(default=0, metadata=OMITEMPTY)
 
 
 @dataclass(frozen=True)
@@ -204,6 +214,8 @@ def _topic_stats(t: Topic, channels: tuple[ChannelStats, ...], now_ns: int) -> T
         message_bytes=t.message_bytes,
         paused=t.paused,
         e2e_processing_latency=_e2e([c.e2e for c in t.channels.values() if c.e2e is not None], now_ns),
+        dropped_count=t.dropped_count,
+        max_messages=t.max_messages,
     )
 
 
@@ -223,6 +235,12 @@ def _channel_stats(c: Channel, topic_filter: str | None, include_clients: bool, 
         clients=clients,
         paused=c.paused,
         e2e_processing_latency=_e2e([c.e2e] if c.e2e is not None else [], now_ns),
+        rejected_count=c.rejected_count,
+        dropped_count=c.dropped_count,
+        dead_letter_count=c.dead_letter_count,
+        expired_count=c.expired_count,
+        max_messages=c.max_messages,
+        max_attempts=c.max_attempts,
     )
 
 

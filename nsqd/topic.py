@@ -51,6 +51,11 @@ class Topic:
         self.mem_queue_size = mem_queue_size
         self.backend = backend
         self.max_messages = max_messages
+        # policies beyond nsqd, applied to channels as they are created
+        self.overflow = "reject"
+        self.max_attempts = 0
+        self.ttl_ns = 0
+        self.dead_letter: Callable[[list[bytes]], None] | None = None
         #: set by the daemon when e2e latency percentiles are configured
         self.e2e_percentiles: list[float] = []
         self.e2e_window_ns = 0
@@ -94,6 +99,10 @@ class Topic:
             )
             if self.e2e_percentiles:
                 channel.e2e = LatencyWindow(self.e2e_window_ns, self.e2e_percentiles, self.e2e_now())
+            channel.max_messages = self.channel_max_messages
+            channel.max_attempts = self.max_attempts
+            channel.ttl_ns = self.ttl_ns
+            channel.dead_letter = self.dead_letter
             self.channels[name] = channel
             self._on_channels_changed(self)
             self._release_backlog()
@@ -120,25 +129,53 @@ class Topic:
         room = None
         if self.max_messages:
             room = self.max_messages - self.depth
-        if self.channel_max_messages and self.channels:
-            deepest = max(c.depth for c in self.channels.values())
-            channel_room = self.channel_max_messages - deepest
-            room = channel_room if room is None else min(room, channel_room)
+        for channel in self.channels.values():
+            if channel.max_messages:
+                channel_room = channel.max_messages - channel.depth
+                room = channel_room if room is None else min(room, channel_room)
         return room
 
     @property
+    def bounded(self) -> bool:
+        return bool(self.max_messages) or any(c.max_messages for c in self.channels.values())
+
+    @property
     def accepting(self) -> bool:
+        if self.overflow != "reject" or not self.bounded:
+            return True
         room = self.room()
         return room is None or room > 0
 
     def _check_room(self, count: int) -> None:
-        if self.max_messages or self.channel_max_messages:
+        if self.overflow == "reject" and self.bounded:
             room = self.room()
             if room is not None and count > room:
                 raise QueueFull(
                     f"topic {self.name} is full: {count} more message(s) would pass its limit "
-                    f"(topic {self.max_messages or 'unbounded'}, "
-                    f"channel {self.channel_max_messages or 'unbounded'} messages)")
+                    f"(room for {max(room, 0)})")
+
+    def _trim(self, now_ns: int) -> None:
+        """drop-oldest: every queue past its limit loses its oldest messages."""
+        for channel in self.channels.values():
+            if channel.max_messages and channel.depth > channel.max_messages:
+                channel.drop_oldest(channel.depth - channel.max_messages, now_ns)
+        if self.max_messages and self.depth > self.max_messages:
+            self._drop_oldest(self.depth - self.max_messages)
+
+    def _drop_oldest(self, count: int) -> None:
+        dropped = 0
+        while dropped < count and self._chunks:
+            ids, frames, due_ns = self._chunks[0]
+            cut = min(count - dropped, len(frames))
+            if cut == len(frames):
+                self._chunks.popleft()
+            else:
+                self._chunks[0] = (ids[cut:], frames[cut:], due_ns)
+            self._mem_count -= cut
+            dropped += cut
+        if dropped < count and self.backend is not None:
+            dropped += len(self.backend.read_many(count - dropped))
+        self.dropped_count += dropped
 
     def put_chunk(self, ids: list[bytes], frames: list[bytes], nbytes: int) -> None:
         self._check_room(len(frames))
@@ -149,6 +186,8 @@ class Topic:
                 channel.put_chunk(ids, frames)
         else:
             self._keep(ids, frames, 0)
+        if self.overflow != "reject" and self.bounded:
+            self._trim(0)
 
     def put_deferred(self, frame: bytes, due_ns: int) -> None:
         self._check_room(1)
@@ -218,6 +257,26 @@ class Topic:
         return self.backend.depth > 0
 
     # -------------------------------------------------------------- admin
+    def take_backlog(self, count: int) -> list[bytes]:
+        """Remove up to ``count`` of the topic's own backlog (oldest first), as frames."""
+        frames: list[bytes] = []
+        while len(frames) < count and self._chunks:
+            ids, chunk_frames, due_ns = self._chunks[0]
+            cut = min(count - len(frames), len(chunk_frames))
+            frames += chunk_frames[:cut]
+            if cut == len(chunk_frames):
+                self._chunks.popleft()
+            else:
+                self._chunks[0] = (ids[cut:], chunk_frames[cut:], due_ns)
+            self._mem_count -= cut
+        if len(frames) < count and self.backend is not None:
+            for payload in self.backend.read_many(count - len(frames)):
+                try:
+                    frames.append(message.from_disk(payload)[0])
+                except message.BadRecord:
+                    self.dropped_count += 1
+        return frames
+
     def pause(self) -> None:
         self.paused = True
 
