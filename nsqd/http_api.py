@@ -26,7 +26,7 @@ import structlog
 import trio
 from hypercorn.config import Config, Sockets
 
-from . import auth, message, stats
+from . import auth, message, metrics, stats
 from .channel import ChannelExiting
 from .names import is_valid_channel_name, is_valid_topic_name
 from .nsqd import set_channel_policy, set_topic_policy
@@ -39,6 +39,7 @@ log = structlog.get_logger("nsqd.http")
 
 JSON_TYPE = b"application/json; charset=utf-8"
 TEXT_TYPE = b"text/plain; charset=utf-8"
+PROMETHEUS_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 _V1_HEADER = (b"x-nsq-content-type", b"nsq; version=1.0")
 
 # Go's boolParams: anything else means "use the default"
@@ -163,6 +164,7 @@ class HTTPAPI:
             "/ping": {"GET": self.ping},
             "/info": {"GET": self.info},
             "/stats": {"GET": self.stats},
+            "/metrics": {"GET": self.metrics},
             "/pub": {"POST": self.pub},
             "/mpub": {"POST": self.mpub},
             "/topic/create": {"POST": self.topic_create},
@@ -234,6 +236,8 @@ class HTTPAPI:
             if refused is not None:
                 return _v1_error(*refused)
         status, result = await self._run(handler, request, params)
+        if request.path == "/metrics" and status == 200:
+            return 200, [], Body(result, PROMETHEUS_TYPE)
         if request.path == "/ping":  # Go's PlainText style
             return status, [], text_body(result)
         if status != 200:
@@ -482,6 +486,10 @@ class HTTPAPI:
             topic.unpause()
         self.nsqd.persist_metadata_soon()
 
+    async def metrics(self, request: Request) -> bytes:
+        """Prometheus text format of the same figures as /stats."""
+        return metrics.render(stats.snapshot(self.nsqd, include_clients=False), len(self.nsqd.clients))
+
     # ------------------------------------------------- policies beyond nsqd
     async def topic_limits(self, request: Request) -> dict:
         """Set a topic's limits and policies (and its channels' defaults); answers them all."""
@@ -624,7 +632,7 @@ def _v1_error(status: int, message: str) -> tuple[int, list[tuple[bytes, bytes]]
 
 
 #: endpoints that stay open when auth is on (they only read)
-_OPEN_PATHS = frozenset(("/ping", "/info", "/stats"))
+_OPEN_PATHS = frozenset(("/ping", "/info", "/stats", "/metrics"))
 _AUTH_CACHE_SIZE = 1024
 
 

@@ -1,0 +1,93 @@
+"""Prometheus text exposition of the daemon's stats, from one snapshot.
+
+Names follow Prometheus conventions (``nsqd_`` prefix, ``_total`` counters,
+base units); every per-topic and per-channel figure that ``/stats`` has is
+here with ``topic`` / ``channel`` labels. Rendering is one pass over the
+snapshot with string formatting only, so 10k channels stay cheap
+(``bench/metrics_bench.py`` measures it). Topic and channel names are limited
+to ``[.a-zA-Z0-9_#-]``, so label values never need escaping.
+"""
+
+from __future__ import annotations
+
+import gc
+import resource
+import time
+
+from . import stats
+
+_TOPIC = (
+    ("depth", "gauge", "Messages queued in the topic itself (no channel yet, or paused).", "depth"),
+    ("backend_depth", "gauge", "Messages of the topic queue that are on disk.", "backend_depth"),
+    ("messages_total", "counter", "Messages published to the topic.", "message_count"),
+    ("message_bytes_total", "counter", "Body bytes published to the topic.", "message_bytes"),
+    ("paused", "gauge", "1 when the topic is paused.", "paused"),
+    ("dropped_total", "counter", "Messages the topic dropped (overflow).", "dropped_count"),
+)
+_CHANNEL = (
+    ("depth", "gauge", "Messages queued in the channel (memory and disk).", "depth"),
+    ("backend_depth", "gauge", "Queued messages of the channel that are on disk.", "backend_depth"),
+    ("in_flight", "gauge", "Messages delivered and not yet finished.", "in_flight_count"),
+    ("deferred", "gauge", "Messages waiting for their due time.", "deferred_count"),
+    ("messages_total", "counter", "Messages the channel received.", "message_count"),
+    ("requeued_total", "counter", "Messages given back by consumers.", "requeue_count"),
+    ("timed_out_total", "counter", "Deliveries that timed out.", "timeout_count"),
+    ("clients", "gauge", "Consumers subscribed to the channel.", "client_count"),
+    ("paused", "gauge", "1 when the channel is paused.", "paused"),
+    ("dropped_total", "counter", "Messages dropped (overflow, ephemeral overflow).", "dropped_count"),
+    ("rejected_total", "counter", "Messages consumers rejected for good.", "rejected_count"),
+    ("dead_lettered_total", "counter", "Messages moved to the dead-letter topic.", "dead_letter_count"),
+    ("expired_total", "counter", "Messages dropped for being older than the TTL.", "expired_count"),
+)
+
+
+def render(snapshot: stats.NSQDStats, clients: int) -> bytes:
+    out: list[str] = []
+    add = out.append
+    add("# HELP nsqd_info Version of the NSQ protocol and API the daemon implements.")
+    add("# TYPE nsqd_info gauge")
+    add(f'nsqd_info{{version="{snapshot.version}"}} 1')
+    add("# HELP nsqd_start_time_seconds Unix time the daemon started.")
+    add("# TYPE nsqd_start_time_seconds gauge")
+    add(f"nsqd_start_time_seconds {snapshot.start_time}")
+    add("# HELP nsqd_uptime_seconds Seconds since the daemon started.")
+    add("# TYPE nsqd_uptime_seconds gauge")
+    add(f"nsqd_uptime_seconds {snapshot.uptime:.3f}")
+    add("# HELP nsqd_healthy 1 when the daemon reports itself healthy.")
+    add("# TYPE nsqd_healthy gauge")
+    add(f"nsqd_healthy {int(snapshot.health == 'OK')}")
+    add("# HELP nsqd_clients Connected TCP clients.")
+    add("# TYPE nsqd_clients gauge")
+    add(f"nsqd_clients {clients}")
+    for name, kind, help_text, attr in _TOPIC:
+        add(f"# HELP nsqd_topic_{name} {help_text}")
+        add(f"# TYPE nsqd_topic_{name} {kind}")
+        for t in snapshot.topics:
+            add(f'nsqd_topic_{name}{{topic="{t.topic_name}"}} {int(getattr(t, attr))}')
+    for name, kind, help_text, attr in _CHANNEL:
+        add(f"# HELP nsqd_channel_{name} {help_text}")
+        add(f"# TYPE nsqd_channel_{name} {kind}")
+        for t in snapshot.topics:
+            topic = t.topic_name
+            for c in t.channels:
+                add(f'nsqd_channel_{name}{{topic="{topic}",channel="{c.channel_name}"}} '
+                    f"{int(getattr(c, attr))}")
+    add("# HELP nsqd_channel_e2e_processing_latency_seconds Publish-to-FIN latency quantiles.")
+    add("# TYPE nsqd_channel_e2e_processing_latency_seconds gauge")
+    for t in snapshot.topics:
+        for c in t.channels:
+            for p in c.e2e_processing_latency.percentiles:
+                add(f'nsqd_channel_e2e_processing_latency_seconds{{topic="{t.topic_name}",'
+                    f'channel="{c.channel_name}",quantile="{p["quantile"]}"}} {p["value"] / 1e9:.6f}')
+    add("# HELP process_resident_memory_max_bytes Peak resident memory of the daemon.")
+    add("# TYPE process_resident_memory_max_bytes gauge")
+    add(f"process_resident_memory_max_bytes {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}")
+    add("# HELP process_cpu_seconds_total CPU time the daemon used.")
+    add("# TYPE process_cpu_seconds_total counter")
+    add(f"process_cpu_seconds_total {time.process_time():.3f}")
+    add("# HELP python_gc_collections_total Garbage collections by generation.")
+    add("# TYPE python_gc_collections_total counter")
+    for generation, gen_stats in enumerate(gc.get_stats()):
+        add(f'python_gc_collections_total{{generation="{generation}"}} {gen_stats["collections"]}')
+    add("")
+    return "\n".join(out).encode()
