@@ -310,6 +310,14 @@ class NSQD:
             self._loading = False
         log.info("metadata loaded", topics=len(self.topics), channels=len(self.channels()))
 
+    def _declare(self) -> None:
+        """Create the topics and channels the configuration declares (``--declare``)."""
+        for value in self.options.declare:
+            topic_name, _, channel_name = value.partition(":")
+            topic = self.get_topic(topic_name)
+            if channel_name:
+                topic.get_channel(channel_name)
+
     async def _metadata_writer(self) -> None:
         while True:
             await self._metadata_dirty.wait()
@@ -353,6 +361,7 @@ class NSQD:
             self._queues_nursery = queues
             try:
                 self.load_metadata()
+                self._declare()
                 async with trio.open_nursery() as services:
                     await services.start(self._run_connections)
                     host, port = split_host_port(self.options.tcp_address)

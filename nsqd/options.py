@@ -16,6 +16,8 @@ import zlib
 from dataclasses import dataclass, field, fields
 from decimal import Decimal
 
+from .names import is_valid_name
+
 __all__ = [
     "EXPERIMENTS",
     "LOG_FORMATS",
@@ -440,6 +442,11 @@ class Options:
         "duration", 0.0, "messages older than this are dropped instead of delivered (0 = no limit)", exposed=False
     )
 
+    declare: list[str] = _opt(
+        "strs", list, "topic or topic:channel to create at start, so nothing published before the "
+        "first consumer is lost (repeatable)", exposed=False,
+    )
+
     # shutdown (not in Go nsqd)
     shutdown_grace: float = _opt(
         "duration", 5.0, "on SIGTERM/SIGINT, how long consumers get to finish in-flight messages", exposed=False
@@ -530,6 +537,10 @@ class Options:
         _need(self.overflow_policy in OVERFLOW_POLICIES,
               f"--overflow-policy must be one of {', '.join(OVERFLOW_POLICIES)}")
         _need(self.max_attempts >= 0, "--max-attempts must be >= 0")
+        for value in self.declare:
+            topic, _, channel = value.partition(":")
+            _need(is_valid_name(topic) and (not channel or is_valid_name(channel)),
+                  f"--declare: {value!r} is not topic or topic:channel with valid names")
         _need(self.message_ttl >= 0, "--message-ttl must be >= 0")
         _need(bool(self.dead_letter_suffix) and all(ch.isalnum() or ch in "._-" for ch in self.dead_letter_suffix),
               "--dead-letter-suffix must be non-empty and use only [.a-zA-Z0-9_-]")

@@ -111,6 +111,7 @@ EXPECTED_DEFAULTS = {
     "max_attempts": 0,
     "dead_letter_suffix": ".dead",
     "message_ttl": 0.0,
+    "declare": [],
     "shutdown_grace": 5.0,
     "amqp_address": "127.0.0.1:5672",
 }
@@ -206,6 +207,7 @@ FLAG_SAMPLES = {
     "max_attempts": ("5", 5),
     "dead_letter_suffix": ("-dlq", "-dlq"),
     "message_ttl": ("10m", 600.0),
+    "declare": ("orders:billing", ["orders:billing"]),
     "channel_max_messages": ("50", 50),
     "amqp_address": ("0.0.0.0:5673", "0.0.0.0:5673"),
 }
@@ -705,6 +707,7 @@ def test_config_exposes_exactly_nsqds_names():
         "max_attempts",
         "dead_letter_suffix",
         "message_ttl",
+        "declare",
         "log_format",
         "config",
         "bogus",

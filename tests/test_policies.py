@@ -110,3 +110,21 @@ async def test_limits_over_http_persist_and_only_bind_their_topic(tmp_path):
         channel = nsqd.topics["small"].channels["c"]
         assert (channel.max_messages, channel.max_attempts) == (2, 4)
         assert not nsqd.topics["small"].accepting
+
+
+async def test_declared_channels_get_messages_published_before_any_consumer(tmp_path):
+    config = tmp_path / "nsqd.toml"
+    config.write_text('declare = ["orders:billing", "orders:audit", "events"]\n')
+    from nsqd.cli import parse_args
+
+    options = parse_args([f"--config={config}", "--tcp-address=127.0.0.1:0", "--http-address=",
+                          "--amqp-address=", f"--data-path={tmp_path / 'data'}"])
+    async with running_nsqd(tmp_path / "data", declare=options.declare) as nsqd:
+        assert set(nsqd.topics) == {"orders", "events"}
+        pub = await NSQConnection.open(tcp_port(nsqd))
+        await pub.pub("orders", b"first")
+        for channel in ("billing", "audit"):
+            conn = await NSQConnection.open(tcp_port(nsqd))
+            await conn.sub("orders", channel)
+            await conn.command("RDY 1")
+            assert (await conn.read_message()).body == b"first"
