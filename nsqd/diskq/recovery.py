@@ -1,0 +1,183 @@
+"""Rebuilding the queue state from the files on open.
+
+The metadata is checked against the segment files; where they disagree the
+files win. The scan past the metadata's write position always runs, so
+records written after the last metadata save are found, a torn tail is cut
+off and new writes append right after the last good record.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import structlog
+
+from .metadata import Metadata, load_metadata
+from .naming import QueueFiles
+from .records import (
+    SEGMENT_HEADER_SIZE,
+    HeaderState,
+    ScanResult,
+    check_segment_header,
+    scan_records,
+    segment_header,
+)
+
+
+@dataclass(frozen=True)
+class RecoveredState:
+    read_segment: int
+    read_position: int
+    write_segment: int
+    write_position: int
+    depth: int
+    damaged_records: int
+    damaged_bytes: int
+
+
+class _Recovery:
+    def __init__(self, files: QueueFiles, min_size: int, max_size: int, log: structlog.typing.FilteringBoundLogger):
+        self.files = files
+        self.min_size = min_size
+        self.max_size = max_size
+        self.log = log
+        self.sizes: dict[int, int] = {}
+        self.damaged_records = 0
+        self.damaged_bytes = 0
+
+    def run(self) -> RecoveredState:
+        meta = self._load_metadata()
+        segments = self._check_headers(self.files.list_segments())
+        if meta is not None:
+            segments = self._remove_consumed(segments, meta.read_segment)
+        if not segments:
+            start = meta.write_segment if meta is not None else 0
+            return RecoveredState(start, 0, start, 0, 0, self.damaged_records, self.damaged_bytes)
+
+        read_segment, read_position = self._read_start(meta, segments)
+        trusted = meta is not None and self._trust_write_side(meta, segments, read_segment, read_position)
+        if trusted:
+            scan_segment, scan_position, depth = meta.write_segment, meta.write_position, meta.depth
+        else:
+            scan_segment, scan_position, depth = read_segment, read_position, 0
+            self.log.warning("diskq_recounting_depth", from_segment=read_segment, from_position=read_position)
+
+        tail = segments[-1]
+        write_segment, write_position = tail, SEGMENT_HEADER_SIZE
+        for segment in segments:
+            if segment < scan_segment:
+                continue
+            start = max(scan_position if segment == scan_segment else 0, SEGMENT_HEADER_SIZE)
+            found = self._scan(segment, start)
+            depth += found.records
+            if segment == tail:
+                write_position = found.end
+                if self.sizes[segment] > found.end:
+                    self._truncate_tail(segment, found.end)
+        if scan_segment > tail:
+            # The saved write segment was never created: nothing was written there.
+            write_segment, write_position = scan_segment, scan_position
+        return RecoveredState(
+            read_segment, read_position, write_segment, write_position, depth, self.damaged_records, self.damaged_bytes
+        )
+
+    def _load_metadata(self) -> Metadata | None:
+        try:
+            return load_metadata(self.files.metadata_path)
+        except (ValueError, OSError) as exc:
+            self.log.warning("diskq_metadata_unusable", path=str(self.files.metadata_path), reason=str(exc))
+            return None
+
+    def _check_headers(self, segments: list[int]) -> list[int]:
+        """Drop files too short to hold a record; restore damaged magic bytes."""
+        usable = []
+        for segment in segments:
+            path = self.files.segment_path(segment)
+            with open(path, "r+b") as stream:
+                head = stream.read(SEGMENT_HEADER_SIZE)
+                state = check_segment_header(head, path)
+                if state is HeaderState.BAD_MAGIC:
+                    self.log.warning("diskq_segment_header_repaired", path=str(path), found=head.hex())
+                    stream.seek(0)
+                    stream.write(segment_header())
+                    stream.flush()
+                    os.fsync(stream.fileno())
+                    self.damaged_bytes += SEGMENT_HEADER_SIZE
+                self.sizes[segment] = os.fstat(stream.fileno()).st_size
+            if state is HeaderState.TORN:
+                self.log.warning("diskq_torn_segment_removed", path=str(path), size=len(head))
+                os.unlink(path)
+                continue
+            usable.append(segment)
+        return usable
+
+    def _remove_consumed(self, segments: list[int], read_segment: int) -> list[int]:
+        """Segments before the saved read segment were fully read before the last save."""
+        for segment in segments:
+            if segment < read_segment:
+                self.log.info("diskq_consumed_segment_removed", segment=segment)
+                os.unlink(self.files.segment_path(segment))
+        return [segment for segment in segments if segment >= read_segment]
+
+    def _read_start(self, meta: Metadata | None, segments: list[int]) -> tuple[int, int]:
+        if meta is not None and meta.read_segment in self.sizes:
+            if meta.read_position <= self.sizes[meta.read_segment]:
+                return meta.read_segment, max(meta.read_position, SEGMENT_HEADER_SIZE)
+            self.log.warning("diskq_read_position_past_end", segment=meta.read_segment, position=meta.read_position)
+        return segments[0], SEGMENT_HEADER_SIZE
+
+    def _trust_write_side(self, meta: Metadata, segments: list[int], read_segment: int, read_position: int) -> bool:
+        """Whether the saved depth still counts the records up to the saved write position."""
+        reason = None
+        if (read_segment, read_position) != (meta.read_segment, max(meta.read_position, SEGMENT_HEADER_SIZE)):
+            reason = "read position does not match the files"
+        elif (meta.write_segment, max(meta.write_position, SEGMENT_HEADER_SIZE)) < (read_segment, read_position):
+            reason = "write position is before the read position"
+        elif any(s not in self.sizes for s in range(meta.read_segment, meta.write_segment)):
+            reason = "segments between read and write position are missing"
+        elif meta.write_position > self.sizes.get(meta.write_segment, 0):
+            reason = "write position is past the end of its segment"
+        if reason is not None:
+            self.log.warning("diskq_metadata_disagrees_with_files", reason=reason, metadata=str(meta))
+            return False
+        return True
+
+    def _scan(self, segment: int, start: int) -> ScanResult:
+        """Count records from ``start``; records found are fsynced, as the writer may have died before."""
+        fd = os.open(self.files.segment_path(segment), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            found = scan_records(
+                lambda position, size: os.pread(fd, size, position),
+                start,
+                self.sizes[segment],
+                self.min_size,
+                self.max_size,
+            )
+            if found.records:
+                os.fsync(fd)
+            return found
+        finally:
+            os.close(fd)
+
+    def _truncate_tail(self, segment: int, end: int) -> None:
+        """Cut everything after the last good record so appends follow it."""
+        path = self.files.segment_path(segment)
+        cut = self.sizes[segment] - end
+        self.log.warning("diskq_torn_tail_truncated", path=str(path), valid_end=end, removed_bytes=cut)
+        self.damaged_records += 1
+        self.damaged_bytes += cut
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.ftruncate(fd, end)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.sizes[segment] = end
+
+
+def recover(
+    files: QueueFiles, min_size: int, max_size: int, log: structlog.typing.FilteringBoundLogger
+) -> RecoveredState:
+    """Read the metadata, check it against the files, repair both."""
+    return _Recovery(files, min_size, max_size, log).run()

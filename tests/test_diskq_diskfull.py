@@ -1,0 +1,185 @@
+"""Disk full and other write/read failures: clear errors, nothing accepted is lost."""
+
+import errno
+import os
+import resource
+import subprocess
+
+import pytest
+import trio
+
+from nsqd.diskq import DiskQueue, DiskQueueReadError, DiskQueueWriteError
+from nsqd.diskq import writer as writer_module
+from nsqd.diskq.queue import BUFFER_LIMIT
+
+RECORD = 200
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """An 8 MiB tmpfs, so ENOSPC is real."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount_point)], check=True)
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+def fill_until_refused(queue):
+    """Put records until a put fails; returns the accepted ones and the error."""
+    accepted = []
+    while True:
+        record = b"%08d" % len(accepted) + b"r" * (RECORD - 8)
+        try:
+            queue.put(record)
+        except DiskQueueWriteError as exc:
+            return accepted, exc
+        accepted.append(record)
+        assert len(accepted) < 200_000, "the disk never filled up"
+
+
+def drain(queue):
+    out = []
+    while chunk := queue.read_many(1000):
+        out.extend(chunk)
+    return out
+
+
+def test_disk_full_refuses_puts_keeps_data_and_recovers(small_fs):
+    ballast = small_fs / "ballast"
+    ballast.write_bytes(b"\0" * (5 << 20))
+    queue = DiskQueue("q", small_fs, max_bytes_per_file=1 << 20)
+    accepted, error = fill_until_refused(queue)
+
+    assert error.errno == errno.ENOSPC
+    assert "No space left on device" in str(error)
+    assert "'q'" in str(error)
+    assert queue.statistics().buffered_bytes > BUFFER_LIMIT - 2 * (RECORD + 8)
+    with pytest.raises(DiskQueueWriteError):  # still full: still refused
+        queue.put(b"x" * RECORD)
+
+    ballast.unlink()
+    queue.put(b"after space came back")
+    queue.close()
+    queue = DiskQueue("q", small_fs, max_bytes_per_file=1 << 20)
+    assert drain(queue) == accepted + [b"after space came back"]
+    assert queue.statistics().corrupt_records_skipped == 0
+    queue.close()
+
+
+async def test_disk_full_fails_wait_durable_until_space_returns(small_fs):
+    ballast = small_fs / "ballast"
+    ballast.write_bytes(b"\0" * (5 << 20))
+    queue = DiskQueue("q", small_fs, max_bytes_per_file=1 << 20)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(queue.run)
+        accepted, _ = fill_until_refused(queue)
+        with pytest.raises(DiskQueueWriteError, match="No space left") as caught:
+            await queue.wait_durable()
+        assert caught.value.errno == errno.ENOSPC
+        ballast.unlink()
+        await queue.wait_durable()
+        assert queue.statistics().buffered_bytes == 0
+        nursery.cancel_scope.cancel()
+    queue.close()
+    queue = DiskQueue("q", small_fs, max_bytes_per_file=1 << 20)
+    assert drain(queue) == accepted
+    queue.close()
+
+
+def test_short_write_then_error_resumes_at_the_right_offset(tmp_path, monkeypatch):
+    real_pwrite = writer_module.pwrite
+    calls = []
+
+    def half_then_full_disk(fd, data, offset):
+        calls.append(len(data))
+        if len(calls) == 1:
+            return real_pwrite(fd, bytes(data[: len(data) // 2 + 3]), offset)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    queue = DiskQueue("q", tmp_path)
+    items = [b"%06d" % n + b"p" * 300 for n in range(1000)]  # passes the flush threshold
+    monkeypatch.setattr(writer_module, "pwrite", half_then_full_disk)
+    queue.put_many(items)
+    assert len(calls) == 2
+    assert "No space left" in queue.statistics().last_error
+    monkeypatch.undo()
+    queue.put(b"last")
+    queue.close()
+    queue = DiskQueue("q", tmp_path)
+    assert drain(queue) == items + [b"last"]
+    queue.close()
+
+
+@pytest.fixture
+def descriptor_limit():
+    """Lower the soft descriptor limit so every new open fails with EMFILE, until reset."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+
+    def exhaust(keep_free=0):
+        """Also refuse the ``keep_free`` highest descriptors in use once they are closed."""
+        probe = os.open(os.devnull, os.O_RDONLY)  # the lowest free descriptor number
+        os.close(probe)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (probe - keep_free, hard))
+
+    def restore():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    yield exhaust, restore
+    restore()
+
+
+def test_emfile_on_write_is_temporary(tmp_path, descriptor_limit):
+    exhaust, restore = descriptor_limit
+    queue = DiskQueue("q", tmp_path)
+    exhaust()
+    accepted, error = fill_until_refused(queue)
+    assert error.errno == errno.EMFILE
+    assert "Too many open files" in str(error)
+    restore()
+    queue.put(b"after")
+    assert drain(queue) == accepted + [b"after"]
+    queue.close()
+
+
+def test_emfile_on_read_skips_nothing(tmp_path, descriptor_limit):
+    exhaust, restore = descriptor_limit
+    items = [b"%04d" % n * 20 for n in range(200)]
+    queue = DiskQueue("q", tmp_path, max_bytes_per_file=2000)
+    queue.put_many(items)
+    queue.close()
+    queue = DiskQueue("q", tmp_path, max_bytes_per_file=2000)
+    delivered = queue.read_many(30)  # now reading the second segment, the newest descriptor
+    exhaust(keep_free=1)
+    with pytest.raises(DiskQueueReadError) as caught:
+        while True:
+            delivered += queue.read_many(30)
+    assert caught.value.errno == errno.EMFILE
+    assert "Too many open files" in str(caught.value)
+    restore()
+    delivered += drain(queue)
+    assert delivered == items
+    assert queue.statistics().corrupt_records_skipped == 0
+    queue.close()
+
+
+def test_close_reports_records_it_could_not_write(tmp_path, monkeypatch):
+    queue = DiskQueue("q", tmp_path)
+    queue.put(b"written")
+    queue.close()
+    queue = DiskQueue("q", tmp_path)
+    queue.put(b"stuck in memory")
+
+    def full_disk(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(writer_module, "pwrite", full_disk)
+    with pytest.raises(DiskQueueWriteError, match="could not be written .* lost") as caught:
+        queue.close()
+    assert caught.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    queue = DiskQueue("q", tmp_path)
+    assert drain(queue) == [b"written"]
+    queue.close()

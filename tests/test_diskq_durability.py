@@ -1,0 +1,281 @@
+"""Group commit, checkpoints and the run() task."""
+
+import errno
+import json
+import os
+import time
+
+import pytest
+import trio
+import trio.testing
+
+from nsqd.diskq import DiskQueue, DiskQueueError, DiskQueueWriteError
+from nsqd.diskq import queue as queue_module
+from nsqd.diskq import writer as writer_module
+
+
+def metadata(path, name="q"):
+    return json.loads((path / f"{name}.diskq.meta.json").read_text())
+
+
+@pytest.fixture
+def counted_syncs(monkeypatch):
+    """Counts commits that reach the worker thread; the real work still runs."""
+    calls = []
+    real_execute = queue_module.sync.execute
+
+    def execute(plan, files, gate):
+        calls.append(plan)
+        real_execute(plan, files, gate)
+
+    monkeypatch.setattr(queue_module.sync, "execute", execute)
+    return calls
+
+
+async def wait_until(predicate, timeout=5.0):
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.005)
+
+
+async def test_wait_durable_needs_run(tmp_path):
+    queue = DiskQueue("q", tmp_path)
+    queue.put(b"x")
+    with pytest.raises(DiskQueueError, match="needs run"):
+        await queue.wait_durable()
+    queue.close()
+
+
+async def test_wait_durable_with_nothing_put_returns_at_once(tmp_path, counted_syncs):
+    queue = DiskQueue("q", tmp_path)
+    await queue.wait_durable()
+    assert counted_syncs == []
+    queue.close()
+
+
+async def test_wait_durable_writes_and_syncs(tmp_path, counted_syncs):
+    queue = DiskQueue("q", tmp_path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(queue.run)
+        queue.put_many([b"a" * 10, b"b" * 10])
+        await queue.wait_durable()
+        assert len(counted_syncs) == 1
+        assert counted_syncs[0].fds  # the segment descriptor was fsynced
+        assert queue.statistics().buffered_bytes == 0
+        assert (tmp_path / "q.diskq.000000.dat").stat().st_size == 16 + 2 * 18
+        await queue.wait_durable()  # nothing new: no second fsync
+        assert len(counted_syncs) == 1
+        nursery.cancel_scope.cancel()
+    queue.close()
+
+
+async def test_concurrent_waiters_share_one_fsync(tmp_path, counted_syncs):
+    queue = DiskQueue("q", tmp_path)
+    confirmed = []
+
+    async def producer(number):
+        queue.put(b"%d" % number)
+        await queue.wait_durable()
+        confirmed.append(number)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(queue.run)
+        async with trio.open_nursery() as producers:
+            for number in range(50):
+                producers.start_soon(producer, number)
+        nursery.cancel_scope.cancel()
+    assert sorted(confirmed) == list(range(50))
+    assert 1 <= len(counted_syncs) <= 3
+    queue.close()
+
+
+async def test_waiter_after_a_commit_started_gets_a_later_commit(tmp_path, counted_syncs):
+    queue = DiskQueue("q", tmp_path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(queue.run)
+        for round_number in range(5):
+            queue.put(b"r%d" % round_number)
+            await queue.wait_durable()
+        nursery.cancel_scope.cancel()
+    assert len(counted_syncs) == 5
+    queue.close()
+
+
+async def test_sync_every_triggers_a_checkpoint(tmp_path):
+    queue = DiskQueue("q", tmp_path, sync_every=10, sync_timeout=60)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(queue.run)
+        queue.put_many([b"x"] * 9)
+        await trio.sleep(0.05)
+        assert metadata(tmp_path)["depth"] == 0
+        queue.put(b"x")
+        await wait_until(lambda: metadata(tmp_path)["depth"] == 10)
+        assert metadata(tmp_path)["write_position"] == 16 + 10 * 9
+        nursery.cancel_scope.cancel()
+    queue.close()
+
+
+async def test_sync_timeout_checkpoints_unsynced_writes_and_reads(tmp_path):
+    queue = DiskQueue("q", tmp_path, sync_timeout=0.05)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(queue.run)
+        queue.put_many([b"a", b"b", b"c"])
+        await wait_until(lambda: metadata(tmp_path)["depth"] == 3)
+        queue.read_many(2)
+        await wait_until(lambda: metadata(tmp_path)["depth"] == 1)
+        assert metadata(tmp_path)["read_position"] == 16 + 2 * 9
+        nursery.cancel_scope.cancel()
+    queue.close()
+
+
+async def test_read_segments_are_deleted_by_the_background_checkpoint(tmp_path):
+    queue = DiskQueue("q", tmp_path, max_bytes_per_file=16 + 2 * 9, sync_timeout=60)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(queue.run)
+        queue.put_many([b"%d" % (n % 10) for n in range(6)])
+        await queue.wait_durable()
+        assert len(list(tmp_path.glob("*.dat"))) == 3
+        assert len(queue.read_many(5)) == 5
+        await wait_until(lambda: len(list(tmp_path.glob("*.dat"))) == 1)
+        assert metadata(tmp_path)["read_segment"] == 2
+        nursery.cancel_scope.cancel()
+    queue.close()
+
+
+async def test_cancelling_run_finishes_the_commit_in_flight_and_fails_later_waiters(tmp_path, monkeypatch):
+    queue = DiskQueue("q", tmp_path)
+    real_execute = queue_module.sync.execute
+    in_thread = trio.Event()
+    token = trio.lowlevel.current_trio_token()
+
+    def slow_execute(plan, files, gate):
+        token.run_sync_soon(in_thread.set)
+        time.sleep(0.2)  # keep the commit in flight while the test cancels run()
+        real_execute(plan, files, gate)
+
+    monkeypatch.setattr(queue_module.sync, "execute", slow_execute)
+    outcomes = {}
+
+    async def producer(name):
+        queue.put(name.encode())
+        try:
+            await queue.wait_durable()
+            outcomes[name] = "durable"
+        except DiskQueueError as exc:
+            outcomes[name] = str(exc)
+
+    async with trio.open_nursery() as nursery:
+        run_scope = trio.CancelScope()
+
+        async def run_until_cancelled(task_status=trio.TASK_STATUS_IGNORED):
+            with run_scope:
+                await queue.run(task_status=task_status)
+
+        await nursery.start(run_until_cancelled)
+        nursery.start_soon(producer, "first")
+        await in_thread.wait()
+        nursery.start_soon(producer, "second")
+        await trio.testing.wait_all_tasks_blocked()
+        run_scope.cancel()
+    assert outcomes == {"first": "durable", "second": "disk queue 'q': run() stopped"}
+    queue.close()
+
+
+async def test_run_twice_is_refused(tmp_path):
+    queue = DiskQueue("q", tmp_path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(queue.run)
+        with pytest.raises(DiskQueueError, match="already running"):
+            await queue.run()
+        nursery.cancel_scope.cancel()
+    queue.close()
+
+
+async def test_close_while_running_stops_run_and_releases_waiters(tmp_path):
+    queue = DiskQueue("q", tmp_path, sync_timeout=60)
+    results = []
+
+    async def waiter():
+        await queue.wait_durable()
+        results.append("durable")
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(queue.run)
+        queue.put(b"x")
+        nursery.start_soon(waiter)
+        await trio.sleep(0)
+        queue.close()
+    assert results == ["durable"]
+    reopened = DiskQueue("q", tmp_path)
+    assert reopened.read_many(2) == [b"x"]
+    reopened.close()
+
+
+async def test_failed_commit_reports_to_its_waiters_then_recovers(tmp_path, monkeypatch):
+    queue = DiskQueue("q", tmp_path)
+    real_pwrite = writer_module.pwrite
+    failing = True
+
+    def pwrite(fd, data, offset):
+        if failing:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(writer_module, "pwrite", pwrite)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(queue.run)
+        queue.put(b"x")
+        with pytest.raises(DiskQueueWriteError) as caught:
+            await queue.wait_durable()
+        assert caught.value.errno == errno.EIO
+        assert "Input/output error" in str(caught.value)
+        failing = False
+        await queue.wait_durable()
+        nursery.cancel_scope.cancel()
+    queue.close()
+    reopened = DiskQueue("q", tmp_path)
+    assert reopened.read_many(5) == [b"x"]
+    reopened.close()
+
+
+async def test_failed_fsync_reports_to_its_waiters(tmp_path, monkeypatch):
+    queue = DiskQueue("q", tmp_path)
+
+    def fdatasync(fd):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(queue.run)
+        queue.put(b"x")
+        monkeypatch.setattr(queue_module.sync.os, "fdatasync", fdatasync)
+        with pytest.raises(DiskQueueWriteError, match="Input/output error") as caught:
+            await queue.wait_durable()
+        assert caught.value.errno == errno.EIO
+        assert "Errno 5" in queue.statistics().last_error
+        monkeypatch.undo()
+        await queue.wait_durable()
+        nursery.cancel_scope.cancel()
+    queue.close()
+
+
+async def test_failing_background_checkpoints_retry_at_the_timeout_pace(tmp_path, monkeypatch):
+    attempts = []
+
+    def full_disk(fd, data, offset):
+        attempts.append(trio.current_time())
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    queue = DiskQueue("q", tmp_path, sync_timeout=0.05, sync_every=1)
+    monkeypatch.setattr(writer_module, "pwrite", full_disk)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(queue.run)
+        queue.put(b"x")  # requests a checkpoint at once (sync_every=1); it keeps failing
+        await trio.sleep(0.5)
+        nursery.cancel_scope.cancel()
+    assert 5 <= len(attempts) <= 14
+    assert "No space left" in queue.statistics().last_error
+    monkeypatch.undo()
+    queue.close()
+    reopened = DiskQueue("q", tmp_path)
+    assert reopened.read_many(5) == [b"x"]
+    reopened.close()

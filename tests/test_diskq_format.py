@@ -1,0 +1,182 @@
+"""Unit tests of the record codec, file naming and metadata encoding."""
+
+import struct
+import zlib
+
+import pytest
+
+from nsqd.diskq.errors import DiskQueueError
+from nsqd.diskq.metadata import Metadata, decode_metadata, encode_metadata, load_metadata, save_metadata
+from nsqd.diskq.naming import QueueFiles, escape_name
+from nsqd.diskq.records import (
+    SEGMENT_HEADER_SIZE,
+    HeaderState,
+    Outcome,
+    check_segment_header,
+    encode_record,
+    encode_records,
+    find_next_record,
+    parse_records,
+    scan_records,
+    segment_header,
+)
+
+
+def fetch_from(data: bytes):
+    return lambda position, size: data[position:position + size]
+
+
+def test_record_layout_is_length_crc_payload():
+    encoded = encode_records([b"hello"])
+    length, crc = struct.unpack(">II", encoded[:8])
+    assert length == 5
+    assert crc == zlib.crc32(b"\x00\x00\x00\x05hello")
+    assert encoded[8:] == b"hello"
+
+
+def test_documented_example_record():
+    assert encode_record(b"hello") == bytes.fromhex("00000005 46f6d486 68656c6c6f")
+
+
+def test_single_and_batch_encodings_agree():
+    payloads = [b"", b"abc", bytes(range(256)) * 3]
+    assert b"".join(encode_record(p) for p in payloads) == encode_records(payloads)
+
+
+def test_encode_then_parse_round_trips_in_order():
+    payloads = [b"", b"a", b"\x00" * 300, bytes(range(256))]
+    out: list[bytes] = []
+    offset, count, outcome = parse_records(encode_records(payloads), 0, 100, 0, 1000, out.append)
+    assert out == payloads
+    assert count == 4
+    assert outcome is Outcome.SHORT
+    assert offset == sum(8 + len(p) for p in payloads)
+
+
+def test_parse_stops_at_count_and_on_short_buffer():
+    data = encode_records([b"one", b"two", b"three"])
+    out: list[bytes] = []
+    offset, count, outcome = parse_records(data, 0, 2, 0, 100, out.append)
+    assert (out, count, outcome) == ([b"one", b"two"], 2, Outcome.COUNT_REACHED)
+    out.clear()
+    assert parse_records(data[:-1], offset, 10, 0, 100, out.append) == (offset, 0, Outcome.SHORT)
+    assert out == []
+
+
+def test_corrupt_length_is_detected_by_checksum():
+    data = bytearray(encode_records([b"abcdef", b"next"]))
+    data[3] = 5  # length 6 -> 5: still in range, but the checksum covers the length
+    out: list[bytes] = []
+    assert parse_records(bytes(data), 0, 10, 0, 100, out.append) == (0, 0, Outcome.DAMAGED)
+    assert out == []
+
+
+def test_length_outside_limits_is_damage():
+    data = encode_records([b"x" * 50])
+    assert parse_records(data, 0, 10, 0, 49, [].append)[2] is Outcome.DAMAGED
+    assert parse_records(data, 0, 10, 51, 100, [].append)[2] is Outcome.DAMAGED
+
+
+def test_find_next_record_skips_garbage_between_records():
+    good = encode_records([b"after"])
+    data = encode_records([b"before"]) + b"\x00\x00\x00\x03garbage\x00\x01" + good
+    start = len(encode_records([b"before"]))
+    assert find_next_record(fetch_from(data), start, len(data), 0, 100) == len(data) - len(good)
+
+
+def test_find_next_record_without_zero_lead_optimisation():
+    good = encode_records([b"payload"])
+    data = b"\xff" * 37 + good
+    assert find_next_record(fetch_from(data), 0, len(data), 0, 1 << 30) == 37
+
+
+def test_find_next_record_ignores_a_record_cut_by_the_limit():
+    data = b"junk" + encode_records([b"tail"])
+    assert find_next_record(fetch_from(data), 0, len(data) - 1, 0, 100) is None
+
+
+def test_find_next_record_reads_payloads_beyond_its_window(monkeypatch):
+    monkeypatch.setattr("nsqd.diskq.records.SCAN_WINDOW", 64)
+    big = encode_records([b"z" * 500])
+    data = b"\x01\x02\x03" + big
+    assert find_next_record(fetch_from(data), 0, len(data), 0, 1000) == 3
+
+
+def test_scan_counts_records_and_damage():
+    first = encode_records([b"a" * 10, b"b" * 10])
+    damaged = bytearray(encode_records([b"c" * 10]))
+    damaged[-1] ^= 0xFF
+    last = encode_records([b"d" * 10])
+    data = first + bytes(damaged) + last + b"\x00\x00\x00"
+    result = scan_records(fetch_from(data), 0, len(data), 0, 100)
+    assert result.records == 3
+    assert result.end == len(data) - 3
+    assert result.damaged_regions == 2
+    assert result.damaged_bytes == len(damaged) + 3
+
+
+def test_scan_follows_records_longer_than_the_window(monkeypatch):
+    monkeypatch.setattr("nsqd.diskq.records.SCAN_WINDOW", 100)
+    data = encode_records([b"q" * 30, b"r" * 400, b"s" * 30])
+    result = scan_records(fetch_from(data), 0, len(data), 0, 1000)
+    assert (result.records, result.end, result.damaged_regions) == (3, len(data), 0)
+
+
+def test_segment_header_states(tmp_path):
+    assert check_segment_header(segment_header(), "x") is HeaderState.VALID
+    assert len(segment_header()) == SEGMENT_HEADER_SIZE
+    assert check_segment_header(segment_header()[:9], "x") is HeaderState.TORN
+    assert check_segment_header(b"X" * 16, "x") is HeaderState.BAD_MAGIC
+    newer = segment_header()[:8] + struct.pack(">H", 2) + segment_header()[10:]
+    with pytest.raises(DiskQueueError, match="format version 2"):
+        check_segment_header(newer, "seg")
+
+
+@pytest.mark.parametrize(
+    ("name", "escaped"),
+    [
+        ("orders", "orders"),
+        ("orders:archive", "orders%3Aarchive"),
+        ("t.x:ch#ephemeral", "t.x%3Ach%23ephemeral"),
+        ("100%", "100%25"),
+        ("a/b", "a%2Fb"),
+        ("é", "%C3%A9"),
+    ],
+)
+def test_names_are_escaped_reversibly(name, escaped):
+    assert escape_name(name) == escaped
+
+
+def test_bad_names_are_refused():
+    with pytest.raises(DiskQueueError, match="empty"):
+        escape_name("")
+    with pytest.raises(DiskQueueError, match="too long"):
+        escape_name(":" * 100)
+
+
+def test_segment_listing_matches_only_this_queue(tmp_path):
+    files = QueueFiles(tmp_path, "t:c")
+    for name in ["t%3Ac.diskq.000001.dat", "t%3Ac.diskq.000010.dat", "t%3Ac.diskq.0000002.dat",
+                 "t%3Acx.diskq.000003.dat", "t%3Ac.diskq.000004.dat.bad", "t%3Ac.diskq.meta.json"]:
+        (tmp_path / name).write_bytes(b"")
+    assert files.list_segments() == [1, 2, 10]
+    assert files.segment_path(7).name == "t%3Ac.diskq.000007.dat"
+
+
+def test_metadata_round_trip_and_rejections(tmp_path):
+    meta = Metadata(read_segment=1, read_position=16, write_segment=3, write_position=999, depth=42)
+    assert decode_metadata(encode_metadata(meta)) == meta
+    path = tmp_path / "m.json"
+    save_metadata(path, meta)
+    assert load_metadata(path) == meta
+    assert not (tmp_path / "m.json.tmp").exists()
+    assert load_metadata(tmp_path / "missing.json") is None
+    tampered = encode_metadata(meta).replace(b"42", b"43")
+    for bad, reason in [
+        (b"{garbage", "JSON"),
+        (b"[1, 2]", "object"),
+        (tampered, "checksum"),
+        (encode_metadata(meta).replace(b'"version": 1', b'"version": 9'), "version"),
+    ]:
+        with pytest.raises(ValueError, match=reason):
+            decode_metadata(bad)

@@ -1,0 +1,260 @@
+"""Unit tests of DiskQueue operations on real files."""
+
+import os
+import struct
+
+import pytest
+
+from nsqd.diskq import DiskQueue, DiskQueueError, MessageSizeError
+from nsqd.diskq.queue import FLUSH_THRESHOLD
+from nsqd.diskq.records import SEGMENT_HEADER_SIZE
+
+
+def records(count, size=100, start=0):
+    return [struct.pack(">I", n) + bytes([n % 251]) * (size - 4) for n in range(start, start + count)]
+
+
+def drain(queue, batch=7):
+    out = []
+    while chunk := queue.read_many(batch):
+        out.extend(chunk)
+    return out
+
+
+def segment_files(path):
+    return sorted(p.name for p in path.iterdir() if p.name.endswith(".dat"))
+
+
+def test_put_and_read_in_fifo_order(tmp_path):
+    queue = DiskQueue("orders", tmp_path)
+    queue.put(b"first")
+    queue.put_many([b"second", b"third"])
+    assert queue.depth == 3
+    assert queue.read_many(2) == [b"first", b"second"]
+    assert queue.depth == 1
+    assert queue.read_many(10) == [b"third"]
+    assert queue.read_many(10) == []
+    assert queue.depth == 0
+    queue.close()
+
+
+def test_read_sees_records_still_in_the_write_buffer(tmp_path):
+    queue = DiskQueue("orders", tmp_path)
+    queue.put(b"buffered")
+    assert queue.statistics().buffered_bytes > 0
+    assert not segment_files(tmp_path)  # nothing written yet
+    assert queue.read_many(5) == [b"buffered"]
+    queue.put_many([b"x"] * 3)
+    assert queue.read_many(5) == [b"x"] * 3
+    queue.close()
+
+
+def test_reads_span_file_and_buffer(tmp_path):
+    queue = DiskQueue("orders", tmp_path)
+    flushed = records(FLUSH_THRESHOLD // 100 + 10)
+    queue.put_many(flushed)  # passes the flush threshold: written to the file
+    assert queue.statistics().buffered_bytes == 0
+    queue.put_many(records(5, start=10_000))  # stays buffered
+    assert queue.statistics().buffered_bytes > 0
+    assert drain(queue, batch=1000) == flushed + records(5, start=10_000)
+    queue.close()
+
+
+def test_zero_or_negative_count_reads_nothing(tmp_path):
+    queue = DiskQueue("q", tmp_path)
+    queue.put(b"a")
+    assert queue.read_many(0) == []
+    assert queue.read_many(-3) == []
+    assert queue.depth == 1
+    queue.close()
+
+
+def test_rotation_exactly_at_the_boundary(tmp_path):
+    record = 8 + 100
+    queue = DiskQueue("q", tmp_path, max_bytes_per_file=SEGMENT_HEADER_SIZE + 3 * record)
+    queue.put_many(records(3))
+    queue.close()
+    assert segment_files(tmp_path) == ["q.diskq.000000.dat"]
+    assert (tmp_path / "q.diskq.000000.dat").stat().st_size == SEGMENT_HEADER_SIZE + 3 * record
+
+    queue = DiskQueue("q", tmp_path, max_bytes_per_file=SEGMENT_HEADER_SIZE + 3 * record)
+    queue.put(records(1, start=3)[0])
+    queue.close()
+    assert segment_files(tmp_path) == ["q.diskq.000000.dat", "q.diskq.000001.dat"]
+    assert (tmp_path / "q.diskq.000001.dat").stat().st_size == SEGMENT_HEADER_SIZE + record
+
+
+def test_batch_crossing_several_segments_keeps_order(tmp_path):
+    queue = DiskQueue("q", tmp_path, max_bytes_per_file=SEGMENT_HEADER_SIZE + 2 * 108)
+    batch = records(9)
+    queue.put_many(batch)
+    queue.close()
+    assert len(segment_files(tmp_path)) == 5
+    queue = DiskQueue("q", tmp_path, max_bytes_per_file=SEGMENT_HEADER_SIZE + 2 * 108)
+    assert queue.depth == 9
+    assert drain(queue) == batch
+    queue.close()
+
+
+def test_oversized_record_gets_its_own_segment(tmp_path):
+    queue = DiskQueue("q", tmp_path, max_bytes_per_file=100, max_msg_size=1000)
+    queue.put_many([b"small", b"L" * 500, b"tail"])
+    assert queue.read_many(10) == [b"small", b"L" * 500, b"tail"]
+    queue.close()
+    assert len(segment_files(tmp_path)) == 1  # the two read segments were removed
+
+
+def test_fully_read_segments_are_deleted(tmp_path):
+    queue = DiskQueue("q", tmp_path, max_bytes_per_file=SEGMENT_HEADER_SIZE + 2 * 108)
+    queue.put_many(records(10))
+    queue.close()
+    assert len(segment_files(tmp_path)) == 5
+    queue = DiskQueue("q", tmp_path, max_bytes_per_file=SEGMENT_HEADER_SIZE + 2 * 108)
+    assert len(queue.read_many(7)) == 7
+    assert queue.statistics().segments == 2
+    queue.close()
+    assert segment_files(tmp_path) == ["q.diskq.000003.dat", "q.diskq.000004.dat"]
+
+
+def test_size_limits_on_put(tmp_path):
+    queue = DiskQueue("q", tmp_path, min_msg_size=2, max_msg_size=10)
+    with pytest.raises(MessageSizeError, match="1 bytes, outside \\[2, 10\\]"):
+        queue.put(b"x")
+    with pytest.raises(MessageSizeError, match="11 bytes"):
+        queue.put(b"x" * 11)
+    queue.put(b"xx")
+    queue.put(b"x" * 10)
+    assert queue.depth == 2
+    queue.close()
+
+
+def test_put_many_validates_the_whole_batch_first(tmp_path):
+    queue = DiskQueue("q", tmp_path, max_msg_size=10)
+    with pytest.raises(MessageSizeError, match="payload 2 is 11 bytes"):
+        queue.put_many([b"ok", b"fine", b"x" * 11, b"late"])
+    assert queue.depth == 0
+    assert queue.read_many(10) == []
+    queue.put_many([])
+    assert queue.depth == 0
+    queue.close()
+
+
+def test_depth_survives_reopen(tmp_path):
+    queue = DiskQueue("q", tmp_path)
+    queue.put_many(records(50))
+    queue.read_many(20)
+    queue.close()
+    queue = DiskQueue("q", tmp_path)
+    assert queue.depth == 30
+    assert drain(queue) == records(50)[20:]
+    queue.close()
+    queue = DiskQueue("q", tmp_path)
+    assert queue.depth == 0
+    assert queue.read_many(1) == []
+    queue.close()
+
+
+def test_writes_continue_after_reopen(tmp_path):
+    for round_number in range(3):
+        queue = DiskQueue("q", tmp_path, max_bytes_per_file=1000)
+        queue.put_many(records(7, start=7 * round_number))
+        queue.close()
+    queue = DiskQueue("q", tmp_path, max_bytes_per_file=1000)
+    assert drain(queue) == records(21)
+    queue.close()
+
+
+def test_empty_drops_everything_and_keeps_working(tmp_path):
+    queue = DiskQueue("q", tmp_path, max_bytes_per_file=500)
+    queue.put_many(records(20))
+    queue.read_many(3)
+    queue.empty()
+    assert queue.depth == 0
+    assert queue.read_many(10) == []
+    assert segment_files(tmp_path) == []
+    queue.put(b"after")
+    queue.close()
+    queue = DiskQueue("q", tmp_path, max_bytes_per_file=500)
+    assert queue.depth == 1
+    assert queue.read_many(10) == [b"after"]
+    queue.close()
+
+
+def test_delete_removes_every_file(tmp_path):
+    (tmp_path / "other.diskq.000000.dat").write_bytes(b"keep")
+    queue = DiskQueue("t:c", tmp_path, max_bytes_per_file=500)
+    queue.put_many(records(20))
+    queue.close()
+    queue = DiskQueue("t:c", tmp_path, max_bytes_per_file=500)
+    queue.put(b"more")
+    queue.delete()
+    assert sorted(os.listdir(tmp_path)) == ["other.diskq.000000.dat"]
+    with pytest.raises(DiskQueueError, match="closed"):
+        queue.put(b"x")
+
+
+def test_delete_after_close(tmp_path):
+    queue = DiskQueue("q", tmp_path)
+    queue.put(b"x")
+    queue.close()
+    queue.delete()
+    assert os.listdir(tmp_path) == []
+
+
+def test_closed_queue_refuses_work_and_close_is_idempotent(tmp_path):
+    queue = DiskQueue("q", tmp_path)
+    queue.close()
+    queue.close()
+    for operation in (lambda: queue.put(b"x"), lambda: queue.put_many([b"x"]), lambda: queue.read_many(1),
+                      queue.empty):
+        with pytest.raises(DiskQueueError, match="'q' is closed"):
+            operation()
+
+
+def test_missing_data_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(DiskQueueError, match="cannot open in .*missing.*No such file"):
+        DiskQueue("q", tmp_path / "missing")
+
+
+def test_a_queue_cannot_be_opened_twice(tmp_path):
+    queue = DiskQueue("q", tmp_path)
+    with pytest.raises(DiskQueueError, match="already open"):
+        DiskQueue("q", tmp_path)
+    queue.close()
+    DiskQueue("q", tmp_path).close()
+
+
+def test_queues_with_similar_names_do_not_share_files(tmp_path):
+    first = DiskQueue("t:c", tmp_path)
+    second = DiskQueue("t%3Ac", tmp_path)
+    first.put(b"one")
+    second.put(b"two")
+    first.close()
+    second.close()
+    first = DiskQueue("t:c", tmp_path)
+    second = DiskQueue("t%3Ac", tmp_path)
+    assert (first.read_many(5), second.read_many(5)) == ([b"one"], [b"two"])
+    first.close()
+    second.close()
+
+
+def test_statistics(tmp_path):
+    queue = DiskQueue("q", tmp_path, max_bytes_per_file=SEGMENT_HEADER_SIZE + 2 * 108)
+    queue.put_many(records(5))
+    queue.read_many(1)
+    stats = queue.statistics()
+    assert stats.depth == 4
+    assert stats.bytes_written == 5 * 108
+    assert stats.bytes_read == 108
+    assert stats.segments == 3
+    assert (stats.corrupt_records_skipped, stats.bytes_skipped, stats.last_error) == (0, 0, None)
+    with pytest.raises(AttributeError):
+        stats.depth = 1
+    queue.close()
+
+
+def test_invalid_settings_are_refused(tmp_path):
+    for kwargs in ({"min_msg_size": 10, "max_msg_size": 5}, {"max_msg_size": 1 << 32},
+                   {"max_bytes_per_file": 20}, {"sync_every": 0}, {"sync_timeout": 0}):
+        with pytest.raises(ValueError):
+            DiskQueue("q", tmp_path, **kwargs)
