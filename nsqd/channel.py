@@ -9,7 +9,9 @@ Where each message of the channel is, exactly one of:
   channels, whose overflow is dropped and counted, as in nsqd).
 - in flight: in the :class:`~nsqd.in_flight.InFlight` map of the consumer it
   was sent to, until FIN, REQ, timeout or the consumer leaves (then it goes back
-  to the head of the queue at once, in its original order).
+  to the head of the queue at once, in its original order); or, when it was
+  delivered under a lease, in that :class:`Lease`'s map, which outlives the
+  connection.
 - deferred: a heap ordered by due time (DPUB, REQ with a delay). Past
   ``mem_queue_size`` entries deferred messages spill to disk with their due
   time and are looked at again when read back.
@@ -294,6 +296,9 @@ class Channel:
                 kept.append((ids, frames))
                 continue
             self.expired_count += len(frames) - len(fresh)
+            if self.failed:
+                kept_ids = {ids[i] for i in fresh}
+                self.forget([i for i in ids if i not in kept_ids])
             if fresh:
                 kept.append(([ids[i] for i in fresh], [frames[i] for i in fresh]))
         return kept
@@ -409,6 +414,8 @@ class Channel:
         if dropped < count and self.backend is not None:
             dropped += len(self.backend.read_many(count - dropped))
         self.dropped_count += dropped
+        if self.failed:
+            self.forget([i for ids, _ in pieces for i in ids])
 
     # ---------------------------------------------------------------- leases
     def open_lease(self, name: str, consumer: Consumer, now_ns: int, timeout_ns: int) -> tuple[Lease, list[bytes]]:
