@@ -272,7 +272,7 @@ async def test_failing_background_checkpoints_retry_at_the_timeout_pace(tmp_path
         queue.put(b"x")  # requests a checkpoint at once (sync_every=1); it keeps failing
         await trio.sleep(0.5)
         nursery.cancel_scope.cancel()
-    assert 5 <= len(attempts) <= 14
+    assert 3 <= len(attempts) <= 14  # about one per sync_timeout, not a busy loop
     assert "No space left" in queue.statistics().last_error
     monkeypatch.undo()
     queue.close()
