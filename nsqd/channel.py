@@ -226,7 +226,7 @@ class Channel:
             log.warning("ephemeral channel full, dropping", channel=self.name, topic=self.topic_name,
                         dropped=len(frames))
             return
-        self.backend.put_many(message.frames_to_disk(frames))
+        self.backend.put_many(frames)  # a plain frame is its own disk payload
 
     def _push_front(self, frames: list[bytes]) -> None:
         """Requeued messages go to the head of the queue so they are retried first."""
@@ -325,10 +325,10 @@ class Channel:
 
     def _take_disk(self, n: int, pieces: list[Chunk], now_ns: int) -> int:
         frames: list[bytes] = []
-        backend = self.backend
-        for payload in backend.read_many(n):
-            if payload[:2] == b"\x00\x00":
-                frames.append(message.from_disk_plain(payload))
+        plain = message.PLAIN_KIND
+        for payload in self.backend.read_many(n):
+            if payload[4:8] == plain:  # a frame as stored: used as it is
+                frames.append(payload)
                 continue
             try:
                 frame, due_ns, failed = message.from_disk(payload)
@@ -566,7 +566,7 @@ class Channel:
                 for frame in frames[start:]:
                     yield message.to_disk(frame, failed=failed.get(message.frame_id(frame), 0))
             else:
-                yield from message.frames_to_disk(frames[start:])
+                yield from frames[start:]
         for due_ns, _, frame in sorted(self._deferred):
             yield message.to_disk(frame, due_ns=due_ns, failed=failed.get(message.frame_id(frame), 0))
         self._chunks.clear()

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import time
 
+_LOW_DIGITS = [b"%02x" % i for i in range(256)]
+
 
 class GUIDFactory:
     def __init__(self, node_id: int, floor: int = 0) -> None:
@@ -24,8 +26,18 @@ class GUIDFactory:
 
     def new_ids(self, count: int) -> list[bytes]:
         start = max(self._next, self._clock())
-        self._next = start + count
-        return [b"%016x" % n for n in range(start, start + count)]
+        self._next = stop = start + count
+        # consecutive ids share all but their last two hex digits: format the
+        # shared prefix once per 256 ids and append the digits from a table
+        ids: list[bytes] = []
+        n = start
+        while n < stop:
+            low = n & 0xFF
+            take = min(stop - n, 256 - low)
+            prefix = b"%014x" % (n >> 8)
+            ids += [prefix + digits for digits in _LOW_DIGITS[low:low + take]]
+            n += take
+        return ids
 
     def new_id(self) -> bytes:
         return self.new_ids(1)[0]

@@ -6,10 +6,12 @@ It is encoded once at publish; only a redelivery re-encodes it (to bump the
 attempts field). Channels share the same frame objects, so fan-out copies
 nothing and there is no Python object per message on the hot path.
 
-The disk record payload (see docs/diskq-format.md) is
-``ext_len(2) | ext | ts(8) | attempts(2) | id(16) | body``: the wire message
-behind a small extension block of TLV fields (due time, failed deliveries,
-room for more) so the format can grow without a break.
+The disk record payload (see docs/diskq-format.md) of a plain message is the
+frame itself, so spilling to disk and reading back copy nothing. A message
+with extra fields (due time, failed deliveries, room for more) is stored as
+``0(4) | 255(4) | ext_len(2) | ext | ts(8) | attempts(2) | id(16) | body``:
+the wire message behind a block of TLV fields, so the format can grow
+without a break. The second word tells the two apart.
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ _U64 = struct.Struct(">Q")
 
 EXT_DUE_NS = 1
 EXT_FAILED = 2
-_NO_EXT = b"\x00\x00"
 
 
 def encode_header(body_len: int, timestamp_ns: int, attempts: int = 1) -> bytes:
@@ -81,21 +82,22 @@ def next_attempt(frame: bytes) -> bytes:
     return with_attempts(frame, frame_attempts(frame) + 1)
 
 
+#: second word of a payload: a plain frame, or an extended record
+PLAIN_KIND = b"\x00\x00\x00\x02"
+EXTENDED_KIND = b"\x00\x00\x00\xff"
+_EXTENDED_HEAD = b"\x00\x00\x00\x00" + EXTENDED_KIND
+
+
 def to_disk(frame: bytes, due_ns: int = 0, failed: int = 0) -> bytes:
-    """Disk record payload for a frame; plain messages carry an empty extension."""
+    """Disk record payload for a frame: the frame itself unless it has extra fields."""
     if not due_ns and not failed:
-        return _NO_EXT + frame[8:]
+        return frame
     ext = b""
     if due_ns:
         ext += _TLV_HEAD.pack(EXT_DUE_NS, 8) + _U64.pack(due_ns)
     if failed:
         ext += _TLV_HEAD.pack(EXT_FAILED, 2) + _ATTEMPTS.pack(min(failed, 0xFFFF))
-    return b"".join((_EXT_LEN.pack(len(ext)), ext, frame[8:]))
-
-
-def frames_to_disk(frames: list[bytes]) -> list[bytes]:
-    """Bulk form of :func:`to_disk` for plain messages (the spill path)."""
-    return [_NO_EXT + f[8:] for f in frames]
+    return b"".join((_EXTENDED_HEAD, _EXT_LEN.pack(len(ext)), ext, frame[8:]))
 
 
 class BadRecord(ValueError):
@@ -107,28 +109,33 @@ def from_disk(payload: bytes) -> tuple[bytes, int, int]:
 
     Unknown extension fields are skipped, so older code reads newer records.
     """
-    if len(payload) < 2:
-        raise BadRecord("record shorter than its extension length")
-    ext_len = _EXT_LEN.unpack_from(payload, 0)[0]
-    start = 2 + ext_len
+    kind = payload[4:8]
+    if kind == PLAIN_KIND:
+        if len(payload) < FRAME_OVERHEAD or _FRAME_HEAD.unpack_from(payload)[0] != len(payload) - 4:
+            raise BadRecord("message frame with a wrong size")
+        return payload, 0, 0
+    if kind != EXTENDED_KIND or len(payload) < 10:
+        raise BadRecord("not a message record")
+    ext_len = _EXT_LEN.unpack_from(payload, 8)[0]
+    start = 10 + ext_len
     if len(payload) < start + FRAME_OVERHEAD - 8:
         raise BadRecord("record shorter than a message header")
     due_ns = failed = 0
-    pos = 2
+    pos = 10
     while pos < start:
         if pos + 2 > start:
             raise BadRecord("truncated extension field")
-        kind, size = _TLV_HEAD.unpack_from(payload, pos)
+        kind_, size = _TLV_HEAD.unpack_from(payload, pos)
         pos += 2
         if pos + size > start:
             raise BadRecord("extension field overruns its block")
-        if kind == EXT_DUE_NS and size == 8:
+        if kind_ == EXT_DUE_NS and size == 8:
             due_ns = _U64.unpack_from(payload, pos)[0]
-        elif kind == EXT_FAILED and size == 2:
+        elif kind_ == EXT_FAILED and size == 2:
             failed = _ATTEMPTS.unpack_from(payload, pos)[0]
         pos += size
-    body_len = len(payload) - start - (FRAME_OVERHEAD - 8)
-    frame = _FRAME_HEAD.pack(body_len + _SIZE_OVERHEAD, FRAME_TYPE_MESSAGE) + payload[start:]
+    wire = payload[start:]
+    frame = _FRAME_HEAD.pack(len(wire) + 4, FRAME_TYPE_MESSAGE) + wire
     return frame, due_ns, failed
 
 
@@ -137,8 +144,3 @@ def from_go_message(data: bytes) -> bytes:
     if len(data) < FRAME_OVERHEAD - 8:
         raise BadRecord("Go message shorter than its header")
     return _FRAME_HEAD.pack(len(data) + 4, FRAME_TYPE_MESSAGE) + data
-
-
-def from_disk_plain(payload: bytes) -> bytes:
-    """Fast path of :func:`from_disk` for a payload with an empty extension block."""
-    return _FRAME_HEAD.pack(len(payload) + 2, FRAME_TYPE_MESSAGE) + payload[2:]

@@ -238,7 +238,7 @@ class NSQD:
         batch: list[bytes] = []
         for data in goimport.iter_go_queue(queue_name, self.data_path,
                                                  max_msg_size=self.options.max_msg_size + 64):
-            batch.append(b"\x00\x00" + data)
+            batch.append(message.from_go_message(data))
             if len(batch) >= 1000:
                 backend.put_many(batch)
                 imported += len(batch)

@@ -600,10 +600,11 @@ class ProtocolV2:
 
 
 def build_mpub(body: bytes, guid, now_ns: int, max_msg_size: int, max_body_size: int):
-    """Decode an MPUB body into ``(ids, frames, body_bytes)``, validating it whole first.
+    """Decode an MPUB body into ``(ids, frames, body_bytes)``, validating it whole.
 
-    One timestamp and one id batch per MPUB; a header is encoded once per
-    distinct body size.
+    One pass builds every frame; nothing is published unless the whole body is
+    valid. One timestamp and one id batch per MPUB; a header is encoded once
+    per run of equal body sizes.
     """
     if len(body) < 4:
         raise ClientError("E_BAD_BODY", "MPUB failed to read message count")
@@ -611,36 +612,35 @@ def build_mpub(body: bytes, guid, now_ns: int, max_msg_size: int, max_body_size:
     max_messages = (max_body_size - 4) // 5
     if count <= 0 or count > max_messages or count > 0x7FFFFFFF:
         raise ClientError("E_BAD_BODY", f"MPUB invalid message count {count}")
-    spans = []
-    pos = 4
-    end = len(body)
-    unpack = _I32.unpack_from
-    for i in range(count):
-        if pos + 4 > end:
-            raise ClientError("E_BAD_MESSAGE", f"MPUB failed to read message({i}) body size")
-        size = unpack(body, pos)[0]
-        if size <= 0:
-            raise ClientError("E_BAD_MESSAGE", f"MPUB invalid message({i}) body size {size}")
-        if size > max_msg_size:
-            raise ClientError("E_BAD_MESSAGE", f"MPUB message too big {size} > {max_msg_size}")
-        pos += 4
-        if pos + size > end:
-            raise ClientError("E_BAD_MESSAGE", "MPUB failed to read message body")
-        spans.append((pos, size))
-        pos += size
-    if pos != end:
-        raise ClientError("E_BAD_BODY", f"MPUB body has {end - pos} bytes after its {count} messages")
     ids = guid.new_ids(count)
     view = memoryview(body)
-    headers: dict[int, bytes] = {}
+    unpack = _I32.unpack_from
     join = b"".join
     frames = []
     append = frames.append
-    for msg_id, (start, size) in zip(ids, spans):
-        header = headers.get(size)
-        if header is None:
-            header = headers[size] = message.encode_header(size, now_ns)
-        append(join((header, msg_id, view[start:start + size])))
+    end = len(body)
+    pos = 4
+    last_size = -1
+    header = b""
+    for msg_id in ids:
+        if pos + 4 > end:
+            raise ClientError("E_BAD_MESSAGE", f"MPUB failed to read message({len(frames)}) body size")
+        size = unpack(body, pos)[0]
+        pos += 4
+        if size != last_size:
+            if size <= 0:
+                raise ClientError("E_BAD_MESSAGE", f"MPUB invalid message({len(frames)}) body size {size}")
+            if size > max_msg_size:
+                raise ClientError("E_BAD_MESSAGE", f"MPUB message too big {size} > {max_msg_size}")
+            header = message.encode_header(size, now_ns)
+            last_size = size
+        stop = pos + size
+        if stop > end:
+            raise ClientError("E_BAD_MESSAGE", "MPUB failed to read message body")
+        append(join((header, msg_id, view[pos:stop])))
+        pos = stop
+    if pos != end:
+        raise ClientError("E_BAD_BODY", f"MPUB body has {end - pos} bytes after its {count} messages")
     return ids, frames, end - 4 - 4 * count
 
 

@@ -215,7 +215,7 @@ class Topic:
         elif due_ns:
             self.backend.put_many([message.to_disk(f, due_ns=due_ns) for f in frames])
         else:
-            self.backend.put_many(message.frames_to_disk(frames))
+            self.backend.put_many(frames)  # a plain frame is its own disk payload
 
     # ------------------------------------------------------------ backlog
     def _release_backlog(self) -> None:

@@ -1,5 +1,7 @@
 """Channel and in-flight bookkeeping, driven directly (no sockets, no disk)."""
 
+import pytest
+
 from nsqd import message
 from nsqd.channel import Channel
 from nsqd.in_flight import InFlight
@@ -183,12 +185,15 @@ def test_max_consumers_limit():
 
 def test_disk_payload_round_trip_keeps_due_and_failed():
     frame = message.encode_frame(b"a" * 16, b"payload", 123, attempts=3)
-    assert message.from_disk(message.to_disk(frame)) == (frame, 0, 0)
+    assert message.to_disk(frame) is frame  # a plain message is stored as its frame
+    assert message.from_disk(frame) == (frame, 0, 0)
     assert message.from_disk(message.to_disk(frame, due_ns=99, failed=2)) == (frame, 99, 2)
-    assert message.from_disk_plain(message.to_disk(frame)) == frame
     # an unknown extension field is skipped
-    unknown = b"\x00\x04\x09\x02zz" + frame[8:]
+    unknown = b"\x00\x00\x00\x00\x00\x00\x00\xff\x00\x04\x09\x02zz" + frame[8:]
     assert message.from_disk(unknown) == (frame, 0, 0)
+    for bad in (b"", frame[:-1], b"\x00" * 8 + frame[8:], b"\x00\x00\x00\x00\x00\x00\x00\xff\x00\x09"):
+        with pytest.raises(message.BadRecord):
+            message.from_disk(bad)
 
 
 def test_failed_deliveries_are_counted_apart_from_attempts():
