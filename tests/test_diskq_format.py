@@ -3,6 +3,8 @@
 import struct
 import zlib
 
+from crc32c import crc32c
+
 import pytest
 
 from nsqd.diskq.errors import DiskQueueError
@@ -30,12 +32,12 @@ def test_record_layout_is_length_crc_payload():
     encoded = encode_records([b"hello"])
     length, crc = struct.unpack(">II", encoded[:8])
     assert length == 5
-    assert crc == zlib.crc32(b"\x00\x00\x00\x05hello")
+    assert crc == crc32c(b"\x00\x00\x00\x05hello")
     assert encoded[8:] == b"hello"
 
 
 def test_documented_example_record():
-    assert encode_record(b"hello") == bytes.fromhex("00000005 46f6d486 68656c6c6f")
+    assert encode_record(b"hello") == bytes.fromhex("00000005 3923f9b4 68656c6c6f")
 
 
 def test_single_and_batch_encodings_agree():

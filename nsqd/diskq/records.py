@@ -1,8 +1,9 @@
 """Segment headers, record encoding and the resynchronising record scan.
 
 A record is ``length (uint32 BE) | crc (uint32 BE) | payload`` where ``crc``
-is the CRC-32 of the four length bytes followed by the payload: a damaged
-length fails the check instead of sending the reader to a wrong offset. When
+is the CRC-32C (Castagnoli, computed in hardware where the CPU has it) of the
+four length bytes followed by the payload: a damaged length fails the check
+instead of sending the reader to a wrong offset. When
 a record fails, :func:`find_next_record` searches forward byte by byte for
 the next record that verifies, so damage costs only the damaged records.
 """
@@ -10,9 +11,10 @@ the next record that verifies, so damage costs only the damaged records.
 from __future__ import annotations
 
 import struct
-import zlib
 from collections.abc import Callable, Sequence
 from enum import Enum
+
+from crc32c import crc32c
 
 from .errors import DiskQueueError
 
@@ -60,12 +62,12 @@ def check_segment_header(data: bytes, path: object) -> HeaderState:
 def encode_record(payload: bytes) -> bytes:
     """Encode one record; cheaper than a batch of one."""
     length = _LENGTH.pack(len(payload))
-    return length + _LENGTH.pack(zlib.crc32(payload, zlib.crc32(length))) + payload
+    return length + _LENGTH.pack(crc32c(payload, crc32c(length))) + payload
 
 
 def encode_records(payloads: Sequence[bytes]) -> bytes:
     """Encode a batch with a few C-level calls per record and one join."""
-    crc32 = zlib.crc32
+    crc32 = crc32c
     lengths = list(map(len, payloads))
     parts: list[bytes] = [b""] * (2 * len(lengths))
     parts[0::2] = list(
@@ -94,7 +96,7 @@ def parse_records(
     Returns the offset after the last good record, how many were emitted and
     why parsing stopped. This loop is the read hot path.
     """
-    crc32 = zlib.crc32
+    crc32 = crc32c
     unpack_from = _RECORD_HEADER.unpack_from
     end = len(buf)
     count = 0
@@ -130,7 +132,7 @@ def find_next_record(fetch: Fetch, start: int, limit: int, min_size: int, max_si
     When ``max_size`` fits in 24 bits a record's first length byte is zero, so
     candidates are found with ``bytes.find`` instead of trying every byte.
     """
-    crc32 = zlib.crc32
+    crc32 = crc32c
     unpack_from = _RECORD_HEADER.unpack_from
     zero_lead = max_size < 1 << 24
     position = start
