@@ -40,6 +40,7 @@ MAGIC_V2 = b"  V2"
 MAX_LINE = 16 * 1024
 
 FIN_BATCH = b"FIN*"
+_FIN_RUN = re.compile(rb"(?:FIN [^\n]{16}\n)+")
 PARSE_ERROR = b"!ERR"
 _BODY_COMMANDS = frozenset((b"PUB", b"MPUB", b"DPUB", b"IDENTIFY", b"AUTH"))
 _U32 = struct.Struct(">I")
@@ -93,15 +94,19 @@ class V2Parser:
         pos = 0
         end = len(buf)
         find = buf.find
+        fin_run = _FIN_RUN.match
         while pos < end:
-            # fast path: "FIN <16-byte id>\n"
-            if buf[pos] == 70 and pos + 20 < end and buf[pos + 20] == 10 and buf[pos:pos + 4] == b"FIN ":
-                if fins is None:
-                    fins = []
-                    out.append((FIN_BATCH, fins, None))
-                fins.append(bytes(buf[pos + 4:pos + 20]))
-                pos += 21
-                continue
+            # fast path: a run of "FIN <16-byte id>\n" lines, found by one regex match
+            if buf[pos] == 70:
+                run = fin_run(buf, pos)
+                if run is not None:
+                    lines = bytes(buf[pos:run.end()])
+                    if fins is None:
+                        fins = []
+                        out.append((FIN_BATCH, fins, None))
+                    fins += [lines[i:i + 16] for i in range(4, len(lines), 21)]
+                    pos = run.end()
+                    continue
             nl = find(b"\n", pos)
             if nl < 0:
                 if end - pos > MAX_LINE:
