@@ -1,0 +1,391 @@
+"""The AMQP 1.0 connection engine, sans-I/O: bytes in, events out; calls out, bytes out.
+
+:meth:`Connection.receive_data` parses what arrived (protocol headers, SASL,
+frames), updates connection, session and link state, answers what the spec
+leaves no choice about (headers, SASL, open, begin, end, close, detach
+replies) and returns :mod:`events` for the rest. Whatever the application
+and the engine send is appended to :attr:`Connection.output`; the I/O layer
+writes it and reads :attr:`Connection.finished` to know when to hang up.
+
+A peer that breaks the protocol gets ``close`` (or ``end`` for a session
+rule, ``detach`` for a link rule) with an error condition; nothing it sends
+makes ``receive_data`` raise.
+
+The same engine serves both ends: the gateway runs it as the server, tests
+and the load generator as a client.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+from . import codec
+from .codec import DecodeError
+from .errors import (
+    DECODE_ERROR, FRAMING_ERROR, ILLEGAL_STATE, NOT_ALLOWED, UNAUTHORIZED_ACCESS, ConnectionFault, SessionFault,
+)
+from .events import ConnectionClosed, ConnectionOpened, SessionBegun, SessionEnded
+from .framing import (
+    AMQP_HEADER, EMPTY_FRAME, FRAME_HEAD, MIN_MAX_FRAME_SIZE, PROTOCOL_AMQP, PROTOCOL_SASL, SASL_HEADER, TYPE_AMQP,
+    TYPE_SASL, FrameReader, Header, encode_frame,
+)
+from .performatives import (
+    SASL_OK, Attach, Begin, Close, Detach, Disposition, End, Error, Flow, Open, SaslInit, SaslMechanisms,
+    SaslOutcome,
+)
+from .sasl import SaslClient, SaslServer
+from .session import Session
+
+DEFAULT_MAX_FRAME_SIZE = 128 * 1024
+DEFAULT_CHANNEL_MAX = 255
+
+_OPEN, _BEGIN, _ATTACH, _FLOW, _TRANSFER, _DISPOSITION, _DETACH, _END, _CLOSE = range(0x10, 0x19)
+_PERFORMATIVES = {_OPEN: Open, _BEGIN: Begin, _ATTACH: Attach, _FLOW: Flow, _DISPOSITION: Disposition,
+                  _DETACH: Detach, _END: End, _CLOSE: Close}
+_BY_NAME = {codec.Symbol(cls.NAME): code for code, cls in _PERFORMATIVES.items()}
+_BY_NAME[codec.Symbol("amqp:transfer:list")] = _TRANSFER
+
+_U32 = struct.Struct(">I")
+_UINT0 = codec.UInt(0)
+_SIMPLE = {0x40: None, 0x41: True, 0x42: False, 0x43: _UINT0}
+
+
+def _transfer_fields(body: bytes) -> tuple[list, int] | None:
+    """The fields of a transfer in the usual compact encoding (up to ``more``), read inline.
+
+    This is the per-message path of publishing; anything unusual (more fields,
+    other encodings) returns None and goes through the generic decoder.
+    """
+    if len(body) < 6 or body[3] != 0xC0 or body[5] > 6:
+        return None
+    end = 5 + body[4]
+    if end > len(body):
+        return None
+    fields = []
+    pos = 6
+    try:
+        for _ in range(body[5]):
+            c = body[pos]
+            if c in _SIMPLE:
+                fields.append(_SIMPLE[c])
+                pos += 1
+            elif c == 0x52:
+                fields.append(codec.UInt(body[pos + 1]))
+                pos += 2
+            elif c == 0x70:
+                fields.append(codec.UInt(_U32.unpack_from(body, pos + 1)[0]))
+                pos += 5
+            elif c == 0xA0:
+                n = body[pos + 1]
+                fields.append(body[pos + 2:pos + 2 + n])
+                pos += 2 + n
+            else:
+                return None
+    except (IndexError, struct.error):
+        return None
+    return (fields, end) if pos == end else None
+
+
+# where the byte stream is
+_AWAIT_HEADER = 0
+_SASL = 1
+_AMQP = 2
+
+
+class Connection:
+    def __init__(self, *, client: bool, container_id: str, sasl: SaslServer | SaslClient | None = None,
+                 sasl_required: bool = False, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+                 channel_max: int = DEFAULT_CHANNEL_MAX, idle_timeout: float | None = None,
+                 hostname: str | None = None, properties: dict | None = None) -> None:
+        self.client = client
+        self.container_id = container_id
+        self.sasl = sasl
+        self.sasl_required = sasl_required
+        self.max_frame_size = max_frame_size
+        self.channel_max = channel_max
+        #: seconds without any frame from the peer after which we close (we announce it in open)
+        self.idle_timeout = idle_timeout
+        self.hostname = hostname
+        self.properties = properties
+        self.output: list[bytes] = []
+        self.reader = FrameReader(max_frame_size)
+        self.remote_open: Open | None = None
+        self.peer_max_frame_size = MIN_MAX_FRAME_SIZE
+        self.peer_channel_max = 0
+        #: seconds within which the peer wants to hear from us (None: it does not care)
+        self.peer_idle_timeout: float | None = None
+        self.open_sent = self.open_received = False
+        self.close_sent = self.close_received = False
+        #: nothing more will be read: the I/O layer may close once :attr:`output` is written
+        self.finished = False
+        self.sessions: dict[int, Session] = {}
+        self._remote_sessions: dict[int, Session] = {}
+        self._stage = _AWAIT_HEADER
+        self._sasl_done = False
+        self._want_open = False
+        if client:
+            self.output.append(SASL_HEADER if sasl is not None else AMQP_HEADER)
+
+    # ------------------------------------------------------------------ I/O
+    def data_to_send(self) -> bytes:
+        data = b"".join(self.output)
+        self.output.clear()
+        return data
+
+    def heartbeat(self) -> None:
+        """An empty frame: keeps the peer's idle timer from expiring."""
+        self.output.append(EMPTY_FRAME)
+
+    def send_frame(self, channel: int, body: bytes) -> None:
+        self.output.append(FRAME_HEAD.pack(len(body) + 8, 2, TYPE_AMQP, channel) + body)
+
+    def receive_data(self, data: bytes) -> list:
+        events: list = []
+        if self.finished:
+            return events
+        try:
+            for item in self.reader.feed(data):
+                if type(item) is Header:
+                    self._on_header(item, events)
+                elif self._stage == _AMQP and item[0] == TYPE_AMQP:
+                    self._on_frame(item[1], item[2], events)
+                elif self._stage == _SASL and item[0] == TYPE_SASL:
+                    self._on_sasl(item[2], events)
+                else:
+                    raise ConnectionFault(FRAMING_ERROR, f"unexpected frame of type {item[0]}")
+                if self.finished:
+                    break
+        except ConnectionFault as fault:
+            self._fail(fault.error, events)
+        except DecodeError as exc:
+            self._fail(Error(DECODE_ERROR, str(exc)), events)
+        if not self.finished:
+            for session in self._remote_sessions.values():
+                session.keep_window_open()
+        return events
+
+    def _fail(self, error: Error, events: list, send: bool = True) -> None:
+        if send and self._stage == _AMQP and not self.close_sent:
+            if not self.open_sent:
+                self._send_open()
+            self.close(error)
+        self.finished = True
+        events.append(ConnectionClosed(error, False))
+
+    # -------------------------------------------------------------- headers
+    def _on_header(self, header: Header, events: list) -> None:
+        protocol = header.protocol if header.valid else -1
+        if self.client:
+            self._client_header(protocol)
+            return
+        if protocol == PROTOCOL_SASL and self.sasl is not None and not self._sasl_done:
+            self.output.append(SASL_HEADER)
+            self.send_sasl(self.sasl.offer())
+            self._stage = _SASL
+        elif protocol == PROTOCOL_AMQP and (self._sasl_done or not self.sasl_required):
+            self.output.append(AMQP_HEADER)
+            self._stage = _AMQP
+        else:
+            # spec 2.2: answer with the header we do support, then hang up
+            self.output.append(SASL_HEADER if self.sasl is not None and not self._sasl_done else AMQP_HEADER)
+            self._fail(Error(FRAMING_ERROR, f"unsupported protocol header {header.raw!r}"), events, send=False)
+
+    def _client_header(self, protocol: int) -> None:
+        expected = PROTOCOL_SASL if self.sasl is not None and not self._sasl_done else PROTOCOL_AMQP
+        if protocol != expected:
+            raise ConnectionFault(FRAMING_ERROR, f"server answered with protocol {protocol}")
+        self._stage = _SASL if protocol == PROTOCOL_SASL else _AMQP
+        if self._stage == _AMQP and self._want_open:
+            self._send_open()
+
+    # ----------------------------------------------------------------- SASL
+    def send_sasl(self, frame: Any) -> None:
+        self.output.append(encode_frame(0, frame.encode_amqp(), TYPE_SASL))
+
+    def _on_sasl(self, body: bytes, events: list) -> None:
+        frame, _ = codec.decode(body)
+        sasl = self.sasl
+        if isinstance(sasl, SaslServer) and isinstance(frame, SaslInit):
+            outcome = sasl.init(frame)
+            self.send_sasl(outcome)
+            if outcome.code != SASL_OK:
+                self._fail(Error(UNAUTHORIZED_ACCESS, "SASL authentication failed"), events, send=False)
+                return
+        elif isinstance(sasl, SaslClient) and isinstance(frame, SaslMechanisms):
+            init = sasl.init(frame, self.hostname)
+            if init is None:
+                self._fail(Error(UNAUTHORIZED_ACCESS, f"server does not offer {sasl.mechanism}"), events, send=False)
+                return
+            self.send_sasl(init)
+            return
+        elif isinstance(sasl, SaslClient) and isinstance(frame, SaslOutcome):
+            if frame.code != SASL_OK:
+                self._fail(Error(UNAUTHORIZED_ACCESS, f"SASL outcome {frame.code}"), events, send=False)
+                return
+            self.output.append(AMQP_HEADER)
+        else:
+            raise ConnectionFault(FRAMING_ERROR, f"unexpected SASL frame {type(frame).__name__}")
+        self._sasl_done = True
+        self._stage = _AWAIT_HEADER
+        self.reader.expect_header = True
+
+    # ----------------------------------------------------------- open/close
+    def open(self) -> None:
+        """Client: open the connection (sent as soon as the headers allow)."""
+        self._want_open = True
+        if self._stage == _AMQP and not self.open_sent:
+            self._send_open()
+
+    def _send_open(self) -> None:
+        self.open_sent = True
+        idle = int(self.idle_timeout * 1000) if self.idle_timeout else None
+        self.send_frame(0, Open(self.container_id, self.hostname, self.max_frame_size, self.channel_max, idle,
+                                properties=self.properties).encode_amqp())
+
+    def close(self, error: Error | None = None) -> None:
+        if self.close_sent:
+            return
+        self.close_sent = True
+        self.send_frame(0, Close(error).encode_amqp())
+        if self.close_received:
+            self.finished = True
+
+    # --------------------------------------------------------------- frames
+    def _on_frame(self, channel: int, body: bytes, events: list) -> None:
+        if not body:
+            return  # a heartbeat
+        if len(body) < 4 or body[0] != 0:
+            raise ConnectionFault(DECODE_ERROR, "frame body is not a described performative")
+        if body[1] == 0x53:
+            code = body[2]
+            fast = _transfer_fields(body) if code == _TRANSFER else None
+            fields, end = fast if fast is not None else codec.decode(body, 3)
+        else:
+            descriptor, pos = codec.decode(body, 1)
+            if type(descriptor) is codec.ULong:
+                code = descriptor
+            else:
+                code = _BY_NAME.get(descriptor, -1) if isinstance(descriptor, str) else -1
+            fields, end = codec.decode(body, pos)
+        if not isinstance(fields, list):
+            raise ConnectionFault(DECODE_ERROR, "performative is not a list")
+        if self.close_sent:
+            if code == _CLOSE:
+                self._on_close(Close.from_value(fields), events)
+            return
+        if code == _TRANSFER:
+            session = self._session(channel)
+            if session is not None:
+                try:
+                    session.on_transfer(fields, body[end:], events)
+                except SessionFault as fault:
+                    self._end_session(session, fault.error, events)
+            return
+        cls = _PERFORMATIVES.get(code)
+        if cls is None:
+            raise ConnectionFault(DECODE_ERROR, f"unknown performative {code!r}")
+        if end != len(body):
+            raise ConnectionFault(DECODE_ERROR, f"{cls.__name__} frame carries a payload")
+        performative = cls.from_value(fields)
+        if code == _OPEN:
+            self._on_open(performative, events)
+            return
+        if not self.open_received:
+            raise ConnectionFault(ILLEGAL_STATE, f"{cls.__name__} before open")
+        if code == _CLOSE:
+            self._on_close(performative, events)
+        elif code == _BEGIN:
+            self._on_begin(channel, performative, events)
+        elif code == _END:
+            self._on_end(channel, performative, events)
+        else:
+            session = self._session(channel)
+            if session is None:
+                return
+            try:
+                if code == _FLOW:
+                    session.on_flow(performative, events)
+                elif code == _DISPOSITION:
+                    session.on_disposition(performative, events)
+                elif code == _ATTACH:
+                    session.on_attach(performative, events)
+                else:
+                    session.on_detach(performative, events)
+            except SessionFault as fault:
+                self._end_session(session, fault.error, events)
+
+    def _session(self, channel: int) -> Session | None:
+        """The session on the peer's ``channel``; None if we ended it and ignore its frames."""
+        session = self._remote_sessions.get(channel)
+        if session is None:
+            raise ConnectionFault(ILLEGAL_STATE, f"frame on channel {channel} without a session")
+        return None if session.end_sent else session
+
+    def _on_open(self, open_: Open, events: list) -> None:
+        if self.open_received:
+            raise ConnectionFault(ILLEGAL_STATE, "second open")
+        self.open_received = True
+        self.remote_open = open_
+        self.peer_max_frame_size = max(open_.max_frame_size, MIN_MAX_FRAME_SIZE)
+        self.peer_channel_max = open_.channel_max
+        self.peer_idle_timeout = open_.idle_time_out / 1000 if open_.idle_time_out else None
+        if not self.open_sent:
+            self._send_open()
+        events.append(ConnectionOpened(open_))
+
+    def _on_close(self, close: Close, events: list) -> None:
+        self.close_received = True
+        first = not self.close_sent
+        self.close()
+        self.finished = True
+        if first:
+            events.append(ConnectionClosed(close.error, True))
+
+    def _on_begin(self, channel: int, begin: Begin, events: list) -> None:
+        if channel in self._remote_sessions:
+            raise ConnectionFault(NOT_ALLOWED, f"channel {channel} already has a session")
+        if begin.remote_channel is None:
+            if channel > self.channel_max:
+                raise ConnectionFault(NOT_ALLOWED, f"channel {channel} exceeds channel-max {self.channel_max}")
+            session = self._new_session()
+            session.remote_channel = channel
+            session.on_begin(begin)
+            session.begin()
+        else:
+            session = self.sessions.get(begin.remote_channel)
+            if session is None or session.begin_received:
+                raise ConnectionFault(ILLEGAL_STATE, f"begin answers unknown channel {begin.remote_channel}")
+            session.remote_channel = channel
+            session.on_begin(begin)
+        self._remote_sessions[channel] = session
+        events.append(SessionBegun(session))
+
+    def _on_end(self, channel: int, end: End, events: list) -> None:
+        session = self._remote_sessions.pop(channel, None)
+        if session is None:
+            raise ConnectionFault(ILLEGAL_STATE, f"end on channel {channel} without a session")
+        first = not session.end_sent
+        session.on_end()
+        session.end()
+        self.sessions.pop(session.channel, None)
+        if first:
+            events.append(SessionEnded(session, end.error, True))
+
+    def _end_session(self, session: Session, error: Error, events: list) -> None:
+        session.end(error)
+        events.append(SessionEnded(session, error, False))
+
+    # ------------------------------------------------------------- sessions
+    def begin(self) -> Session:
+        """Start a session (client side); it is usable once ``SessionBegun`` arrives."""
+        session = self._new_session()
+        session.begin()
+        return session
+
+    def _new_session(self) -> Session:
+        for channel in range(min(self.channel_max, self.peer_channel_max) + 1):
+            if channel not in self.sessions:
+                session = self.sessions[channel] = Session(self, channel)
+                return session
+        raise ConnectionFault(NOT_ALLOWED, "no free channel for a session")

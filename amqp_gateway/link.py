@@ -1,0 +1,234 @@
+"""A link endpoint (spec 2.6): attach/detach, link credit and transfers.
+
+Flow control follows spec 2.6.7. The receiver decides ``link-credit`` (set,
+not added) and ``drain``; the sender owns ``delivery-count`` (RFC-1982) and
+``available``. A sender receiving a flow sets::
+
+    link-credit(snd) := delivery-count(rcv) + link-credit(rcv) - delivery-count(snd)
+
+and a drained sender advances delivery-count by its unused credit, sets
+credit 0 and reports with a flow. Each transfer moves delivery-count on by
+one and uses one credit on both ends.
+
+Outgoing single-frame transfers are written from pre-encoded pieces (only the
+frame size, delivery-id and tag change), straight into the connection's
+output list, so a batch costs a few list appends per message.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import TYPE_CHECKING, Any
+
+from . import codec, serial
+from .framing import FRAME_HEAD
+from .performatives import (
+    RCV_FIRST, RECEIVER, SENDER, SND_MIXED, SND_SETTLED, Attach, Detach, Disposition, Error, Transfer,
+)
+
+if TYPE_CHECKING:
+    from .session import Session
+
+_U32 = struct.Struct(">I")
+_SETTLED_TAIL = (b"\x43\x42", b"\x43\x41")  # message-format 0, settled false/true
+
+
+class Link:
+    def __init__(self, session: Session, name: str, role: bool, handle: int) -> None:
+        self.session = session
+        self.name = name
+        #: our role: SENDER (False) or RECEIVER (True)
+        self.role = role
+        self.handle = handle
+        self.remote_handle: int | None = None
+        self.remote_attach: Attach | None = None
+        self.source: Any = None
+        self.target: Any = None
+        self.snd_settle_mode = SND_MIXED
+        self.rcv_settle_mode = RCV_FIRST
+        self.delivery_count = 0
+        #: the delivery-count a sender announced in its attach
+        self.initial_delivery_count = 0
+        self.credit = 0
+        self.drain = False
+        self.available = 0
+        #: receiving links: deliveries above this many payload bytes arrive with payload None (0: no limit)
+        self.max_message_size = 0
+        self.attach_sent = self.attach_received = False
+        self.detach_sent = self.detach_received = False
+        # an incoming delivery spread over several frames
+        self.partial: list[bytes] | None = None
+        self.partial_size = 0
+        self.partial_head: tuple[int, bytes, bool] = (0, b"", False)
+        self._transfer_head: dict[int, bytes] = {}
+
+    def __repr__(self) -> str:
+        return f"<Link {self.name!r} {'receiver' if self.role else 'sender'} handle={self.handle}>"
+
+    @property
+    def is_sender(self) -> bool:
+        return self.role is SENDER
+
+    @property
+    def attached(self) -> bool:
+        return self.attach_sent and self.attach_received and not (self.detach_sent or self.detach_received)
+
+    @property
+    def sends_settled(self) -> bool:
+        return self.snd_settle_mode == SND_SETTLED
+
+    # ------------------------------------------------------------ attach
+    def attach(self, source: Any = None, target: Any = None, *, snd_settle_mode: int = SND_MIXED,
+               rcv_settle_mode: int = RCV_FIRST) -> None:
+        """Send our attach: to start a link, or to answer the peer's (``LinkAttaching``)."""
+        self.source = source
+        self.target = target
+        self.snd_settle_mode = snd_settle_mode
+        self.rcv_settle_mode = rcv_settle_mode
+        self.initial_delivery_count = self.delivery_count
+        self.attach_sent = True
+        self.session.send(Attach(
+            self.name, self.handle, self.role, snd_settle_mode, rcv_settle_mode, source, target,
+            initial_delivery_count=self.delivery_count if self.role is SENDER else None,
+        ))
+
+    def refuse(self, error: Error) -> None:
+        """Answer the peer's attach with a null node, then detach with ``error`` (spec 2.6.3)."""
+        remote = self.remote_attach
+        if self.role is SENDER:  # the peer wants to receive from a source we do not have
+            self.attach(None, remote.target)
+        else:
+            self.attach(remote.source, None)
+        self.detach(error)
+
+    def detach(self, error: Error | None = None, closed: bool = True) -> None:
+        if self.detach_sent:
+            return
+        self.detach_sent = True
+        self.session.send(Detach(self.handle, closed, error))
+        self.session.link_detached(self)
+
+    # -------------------------------------------------------------- flow
+    def flow(self, credit: int | None = None, *, drain: bool | None = None, echo: bool = False) -> None:
+        """Receiver: set the credit (not add to it) and drain mode, and tell the sender."""
+        if credit is not None:
+            self.credit = credit
+        if drain is not None:
+            self.drain = drain
+        self.send_flow(echo=echo)
+
+    def send_flow(self, echo: bool = False) -> None:
+        """Our link state (and the session's) in a flow frame; a sender reports ``available``."""
+        self.session.send_flow(self, echo)
+
+    def apply_flow(self, delivery_count: int | None, credit: int | None, drain: bool,
+                   available: int | None) -> None:
+        """The peer's link state from a flow frame (spec 2.6.7)."""
+        if self.role is SENDER:
+            if credit is None:
+                return
+            rcv_count = self.initial_delivery_count if delivery_count is None else delivery_count
+            self.credit = max(serial.diff(serial.add(rcv_count, credit), self.delivery_count), 0)
+            self.drain = drain
+        else:
+            if delivery_count is not None:
+                limit = serial.add(self.delivery_count, self.credit)
+                self.delivery_count = delivery_count
+                self.credit = max(serial.diff(limit, delivery_count), 0)
+            if available is not None:
+                self.available = available
+
+    def complete_drain(self) -> None:
+        """Sender out of messages in drain mode: use up the credit and say so."""
+        self.delivery_count = serial.add(self.delivery_count, self.credit)
+        self.credit = 0
+        self.send_flow()
+
+    # ---------------------------------------------------------- transfers
+    def send_transfers(self, tags: list[bytes], payloads: list[bytes], settled: bool) -> int:
+        """Send one delivery per (tag, payload); returns the first delivery-id.
+
+        The caller keeps within the link credit; frames beyond the session's
+        outgoing window wait in the session until the peer widens it.
+        """
+        session = self.session
+        first = did = session.next_delivery_id
+        channel = session.channel
+        tail = _SETTLED_TAIL[settled]
+        limit = session.connection.peer_max_frame_size
+        heads = self._transfer_head
+        pack_head = FRAME_HEAD.pack
+        pack_u32 = _U32.pack
+        window = session.remote_incoming_window
+        pending = session.pending
+        out = session.connection.output
+        sent = 0
+        for tag, payload in zip(tags, payloads):
+            head = heads.get(len(tag))
+            if head is None:
+                head = heads[len(tag)] = self._encode_transfer_head(len(tag))
+            size = len(head) + len(tag) + len(payload) + 16
+            if size <= limit:
+                parts = (pack_head(size, 2, 0, channel), head, pack_u32(did), b"\xa0", bytes((len(tag),)), tag,
+                         tail, payload)
+                if sent < window and not pending:
+                    out.extend(parts)
+                    sent += 1
+                else:
+                    pending.append(b"".join(parts))
+            else:
+                for frame in self._split_transfer(did, tag, settled, payload, limit):
+                    if sent < window and not pending:
+                        out.append(frame)
+                        sent += 1
+                    else:
+                        pending.append(frame)
+            did = (did + 1) & serial.MASK
+        session.next_delivery_id = did
+        session.frames_sent(sent)
+        n = len(tags)
+        self.delivery_count = serial.add(self.delivery_count, n)
+        self.credit -= n
+        if not settled:
+            session.track_outgoing(self, first, tags)
+        return first
+
+    def _encode_transfer_head(self, tag_len: int) -> bytes:
+        """``transfer`` up to the delivery-id value: descriptor, list header, handle."""
+        handle = codec.encode(codec.UInt(self.handle))
+        size = 1 + len(handle) + 5 + 2 + tag_len + 2
+        return b"\x00\x53\x14\xc0" + bytes((size, 5)) + handle + b"\x70"
+
+    def _split_transfer(self, did: int, tag: bytes, settled: bool, payload: bytes, limit: int) -> list[bytes]:
+        """A message bigger than the peer's max-frame-size, as several transfer frames."""
+        channel = self.session.channel
+
+        def frame(perf: bytes, chunk: bytes) -> bytes:
+            return FRAME_HEAD.pack(8 + len(perf) + len(chunk), 2, 0, channel) + perf + chunk
+
+        perf = Transfer(self.handle, did, tag, 0, settled, True).encode_amqp()
+        room = limit - 8 - len(perf)
+        frames = [frame(perf, payload[:room])]
+        pos = room
+        more = Transfer(self.handle, more=True).encode_amqp()
+        last = Transfer(self.handle).encode_amqp()
+        while len(payload) - pos > limit - 8 - len(last):
+            room = limit - 8 - len(more)
+            frames.append(frame(more, payload[pos:pos + room]))
+            pos += room
+        frames.append(frame(last, payload[pos:]))
+        return frames
+
+    # -------------------------------------------------------- settlement
+    def settle(self, delivery_ids: list[int], state: Any) -> None:
+        """Receiver: settle incoming deliveries with ``state``, one disposition per run of ids."""
+        if not delivery_ids:
+            return
+        send = self.session.send
+        first = prev = delivery_ids[0]
+        for did in delivery_ids[1:]:
+            if did != (prev + 1) & serial.MASK:
+                send(Disposition(RECEIVER, first, prev, True, state))
+                first = did
+            prev = did
+        send(Disposition(RECEIVER, first, prev, True, state))

@@ -1,0 +1,217 @@
+"""The AMQP listener and the per-connection I/O driver (Trio).
+
+Per connection two tasks share one nursery, as in ``nsqd/tcp.py``: the
+reader receives up to 256 KiB, feeds the gateway (engine and daemon calls)
+and writes what that produced; the pump sleeps until a channel wakes a
+consuming link, a heartbeat is due or a publishing link starved by a full
+topic should look again (every ``POLL_INTERVAL``). Whichever task writes
+first fills one batch per consuming link and sends everything pending with
+one ``send_all``, round after round until nothing is left; the other never
+waits for a lock: the pump leaves writing to the active writer (which
+refills before it stops), the reader waits for it before reading more, so a
+client that does not read back-pressures only itself.
+
+Timers: we announce ``idle_timeout`` in our open and close a connection
+that sends nothing for that long (``amqp:resource-limit-exceeded``); we send
+an empty frame when we have been silent for half the peer's idle timeout; a
+write the peer does not take within ``idle_timeout`` drops the connection.
+After a close (ours or the peer's) we linger up to ``LINGER`` seconds for
+the peer to hang up, so our close frame is read before the socket goes.
+
+Whatever goes wrong in a connection stays in it: it is logged, the
+connection's consumers leave their channels (requeueing their messages in
+order) and the daemon carries on.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import structlog
+import trio
+
+from nsqd.options import split_host_port
+
+from . import auth
+from .errors import CONNECTION_FORCED
+from .gateway import GatewayConnection
+from .performatives import Error
+from .publisher import POLL_INTERVAL
+from .sasl import Authenticate
+
+if TYPE_CHECKING:
+    from nsqd.nsqd import NSQD
+
+log = structlog.get_logger("amqp_gateway.server")
+
+RECEIVE_SIZE = 256 * 1024
+IDLE_TIMEOUT = 60.0
+LINGER = 1.0
+
+
+async def serve_amqp(nsqd: NSQD, address: str, *, idle_timeout: float = IDLE_TIMEOUT,
+                     authenticate: Authenticate | None = None,
+                     task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Listen on ``address`` (port 0 picks one) and serve AMQP connections until cancelled.
+
+    ``authenticate(username, password) -> bool`` checks SASL PLAIN logins
+    (default: see :mod:`auth`). ``task_status.started`` gets the list of
+    bound ``(host, port)`` pairs.
+    """
+    if authenticate is None:
+        authenticate = auth.refuse if nsqd.options.auth_http_addresses else auth.authenticate
+        if nsqd.options.auth_http_addresses:
+            log.warning("the AMQP gateway does not ask the auth servers yet: it refuses every login")
+    host, port = split_host_port(address)
+    listeners = await trio.open_tcp_listeners(port, host=host or None)
+    addresses = [listener.socket.getsockname()[:2] for listener in listeners]
+    async with trio.open_nursery() as nursery:
+        for listener in listeners:
+            nursery.start_soon(_accept_loop, nsqd, listener, nursery, idle_timeout, authenticate)
+        log.info("AMQP gateway listening", addresses=addresses)
+        task_status.started(addresses)
+
+
+async def _accept_loop(nsqd: NSQD, listener: trio.SocketListener, handlers: trio.Nursery,
+                       idle_timeout: float, authenticate: Authenticate) -> None:
+    async with listener:
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:  # EMFILE and friends: back off, keep serving
+                log.error("accept failed", error=str(exc))
+                await trio.sleep(0.1)
+                continue
+            handlers.start_soon(handle_connection, nsqd, stream, idle_timeout, authenticate)
+
+
+async def handle_connection(nsqd: NSQD, stream: trio.SocketStream, idle_timeout: float,
+                            authenticate: Authenticate) -> None:
+    """Serve one connection; whatever goes wrong stays inside this connection."""
+    remote = _peer(stream)
+    gateway = GatewayConnection(nsqd, remote, authenticate=authenticate, idle_timeout=idle_timeout)
+    driver = Driver(nsqd, stream, gateway, idle_timeout)
+    try:
+        await driver.run()
+    except* (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, ConnectionError):
+        log.info("AMQP connection dropped", client=remote)
+    except* Exception as group:
+        log.error("AMQP connection failed", client=remote, exc_info=group)
+    finally:
+        gateway.connection_lost()
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(1):
+                await driver.say_goodbye()
+                await stream.aclose()
+
+
+def _peer(stream: trio.SocketStream) -> str:
+    try:
+        host, port = stream.socket.getpeername()[:2]
+        return f"{host}:{port}"
+    except (OSError, ValueError):
+        return "unknown"
+
+
+class Driver:
+    """Moves bytes between one socket and one :class:`GatewayConnection`."""
+
+    def __init__(self, nsqd: NSQD, stream: trio.abc.Stream, gateway: GatewayConnection,
+                 idle_timeout: float) -> None:
+        self.nsqd = nsqd
+        self.stream = stream
+        self.gateway = gateway
+        self.engine = gateway.engine
+        self.idle_timeout = idle_timeout
+        self._lot = trio.lowlevel.ParkingLot()
+        self._sending = False
+        self._idle = trio.Event()
+        self._last_send = trio.current_time()
+        self._heartbeats = False
+        gateway.on_wake = self._lot.unpark_all
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._pump)
+            try:
+                await self._read_loop()
+            finally:
+                nursery.cancel_scope.cancel()
+
+    async def _read_loop(self) -> None:
+        gateway = self.gateway
+        engine = self.engine
+        receive = self.stream.receive_some
+        idle = self.idle_timeout or math.inf
+        while not engine.finished:
+            with trio.move_on_after(idle) as scope:
+                data = await receive(RECEIVE_SIZE)
+            if scope.cancelled_caught:
+                gateway.idle_expired()
+                await self._flush(wait=True)
+                break
+            if not data:
+                return
+            gateway.receive_data(data, self.nsqd.now_ns())
+            if engine.peer_idle_timeout and not self._heartbeats:
+                self._heartbeats = True
+                self._lot.unpark_all()  # the pump learns the peer's heartbeat interval
+            await self._flush(wait=True)
+        await self._linger()
+
+    async def say_goodbye(self) -> None:
+        """A connection we end without a close of its own (shutdown, a failure) still gets one."""
+        if self.engine.close_sent or self._sending:
+            return  # said already, or a write was cut off midway and the stream is unusable
+        self.engine.close(Error(CONNECTION_FORCED, "the daemon ended the connection"))
+        try:
+            await self.stream.send_all(self.engine.data_to_send())
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+
+    async def _linger(self) -> None:
+        """Give the peer a moment to read our close and hang up first."""
+        with trio.move_on_after(LINGER):
+            while await self.stream.receive_some(RECEIVE_SIZE):
+                pass
+
+    async def _pump(self) -> None:
+        engine = self.engine
+        gateway = self.gateway
+        while True:
+            peer_idle = engine.peer_idle_timeout
+            heartbeat_at = self._last_send + peer_idle / 2 if peer_idle else math.inf
+            wake_at = min(heartbeat_at, trio.current_time() + POLL_INTERVAL if gateway.publishers_starved
+                          else math.inf)
+            with trio.move_on_at(wake_at):
+                await self._lot.park()
+            if trio.current_time() >= heartbeat_at and not engine.close_sent:
+                engine.heartbeat()
+            if gateway.publishers_starved:
+                gateway.poll_publishers()
+            await self._flush(wait=False)
+
+    async def _flush(self, wait: bool) -> None:
+        """Fill from the channels and write everything pending, one send per round."""
+        while self._sending:
+            if not wait:
+                return
+            await self._idle.wait()
+        self._sending = True
+        gateway = self.gateway
+        engine = self.engine
+        now_ns = self.nsqd.now_ns
+        try:
+            while True:
+                gateway.fill(now_ns())
+                if not engine.output:
+                    return
+                data = engine.data_to_send()
+                with trio.fail_after(self.idle_timeout or math.inf):
+                    await self.stream.send_all(data)
+                self._last_send = trio.current_time()
+        finally:
+            self._sending = False
+            idle, self._idle = self._idle, trio.Event()
+            idle.set()

@@ -1,0 +1,629 @@
+#!/usr/bin/env python3
+"""TCP load generator for nsqd, after Go nsq's ``bench_writer`` and ``bench_reader``.
+
+Plain blocking sockets and pre-encoded commands, so the generator costs little
+per message; connections are spread over worker processes (``--procs`` per
+role) when one process cannot keep up.
+
+Modes (``--mode``):
+
+* ``pub``      writers send synchronous MPUBs (``--batch`` x ``--size`` bytes)
+               and wait for ``OK``, for ``--duration`` seconds;
+* ``sub``      readers on one channel with ``RDY --rdy`` FIN every message,
+               until ``--count`` messages or ``--duration``;
+* ``both``     writers and readers at once (own topic);
+* ``latency``  writers paced at ``--rate`` msgs/s stamp each body with the send
+               time; readers report end-to-end latency percentiles;
+* ``all``      pub, sub (draining what pub left), both, then latency at half
+               the measured both-rate, and a summary table.
+
+``--backlog N`` publishes N messages with no consumer and reports the daemon's
+memory. ``--spawn`` starts the daemon on free ports with a fresh data dir;
+with it (or ``--pid``) each phase reports the daemon's CPU time per message
+and RSS (from /proc), and how the machine's CPUs were shared between the
+daemon, the generator and other processes. ``--py-spy FILE`` profiles the
+daemon. ``--self-test`` runs every mode briefly and checks the counts add up.
+
+Result lines have a fixed shape, e.g.::
+
+    pub publish: 447872 msgs/s (89.6 MB/s) over 8.00 s [3583200 msgs, 2 conns, 1 procs, generator cpu 1.08 s]
+    pub daemon: cpu 8.44 s (1.70 s sys), 2.36 us/msg (msgs = published + consumed), rss 41.4 MB, ...
+    pub machine: 2 cpus, busy 1.21 = nsqd 1.05 + generator 0.13 + other 0.02 (cpus, averaged over 8.0 s)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue
+import selectors
+import shlex
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from array import array
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MAGIC = b"  V2"
+HEARTBEAT = b"_heartbeat_"
+FRAME_RESPONSE, FRAME_ERROR, FRAME_MESSAGE = 0, 1, 2
+HDR = struct.Struct(">II")  # frame size (counts type + data), frame type
+U32 = struct.Struct(">I")
+I64 = struct.Struct(">q")
+RECV_SIZE = 256 * 1024
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+class BenchError(Exception):
+    pass
+
+
+# ---------------------------------------------------------------- wire format
+def command(verb: str, *args: str, body: bytes | None = None) -> bytes:
+    line = " ".join((verb,) + args).encode() + b"\n"
+    return line if body is None else line + U32.pack(len(body)) + body
+
+
+def mpub(topic: str, bodies: list[bytes]) -> bytes:
+    parts = [U32.pack(len(bodies))]
+    for body in bodies:
+        parts += (U32.pack(len(body)), body)
+    return command("MPUB", topic, body=b"".join(parts))
+
+
+class Conn:
+    """One blocking connection with a small frame reader for the control path."""
+
+    def __init__(self, address: tuple[str, int], client_id: str) -> None:
+        self.sock = socket.create_connection(address, timeout=30)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = b""
+        ident = json.dumps({"client_id": client_id, "hostname": client_id,
+                            "user_agent": "nsq_bench/1.0", "feature_negotiation": False})
+        self.sock.sendall(MAGIC + command("IDENTIFY", body=ident.encode()))
+        self.expect_ok("IDENTIFY")
+
+    def frame(self) -> tuple[int, bytes]:
+        while True:
+            if len(self.buf) >= 8:
+                size, ftype = HDR.unpack_from(self.buf)
+                if len(self.buf) >= 4 + size:
+                    data, self.buf = self.buf[8:4 + size], self.buf[4 + size:]
+                    return ftype, data
+            chunk = self.sock.recv(RECV_SIZE)
+            if not chunk:
+                raise BenchError("connection closed by nsqd")
+            self.buf += chunk
+
+    def response(self) -> bytes:
+        """The next response frame, answering heartbeats on the way."""
+        while True:
+            ftype, data = self.frame()
+            if ftype == FRAME_ERROR:
+                raise BenchError(f"nsqd error: {data.decode(errors='replace')}")
+            if ftype == FRAME_RESPONSE and data == HEARTBEAT:
+                self.sock.sendall(b"NOP\n")
+                continue
+            if ftype == FRAME_RESPONSE:
+                return data
+            raise BenchError(f"unexpected frame type {ftype}")
+
+    def expect_ok(self, what: str) -> None:
+        data = self.response()
+        if data != b"OK":
+            raise BenchError(f"{what}: expected OK, got {data[:80]!r}")
+
+    def subscribe(self, topic: str, channel: str) -> None:
+        self.sock.sendall(command("SUB", topic, channel))
+        self.expect_ok("SUB")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def ensure_channel(address, topic: str, channel: str) -> None:
+    """Create the topic and channel (as bench.sh does over HTTP) with a SUB and no RDY."""
+    conn = Conn(address, "bench-setup")
+    conn.subscribe(topic, channel)
+    conn.close()
+
+
+# ---------------------------------------------------------------- workers
+def pub_worker(spec: dict, start, results) -> None:
+    """Synchronous MPUB on each connection in turn, as bench_writer's pubWorker."""
+    try:
+        address, topic, batch, size = spec["address"], spec["topic"], spec["batch"], spec["size"]
+        conns = [Conn(address, "writer") for _ in range(spec["conns"])]
+        socks = [c.sock for c in conns]
+        rate, limit = spec["rate"], spec["limit"]
+        payload = mpub(topic, [b"x" * size] * batch)
+        if rate:  # latency mode: the body starts with the send time (CLOCK_MONOTONIC, ns)
+            prefix = f"MPUB {topic}\n".encode() + U32.pack(4 + batch * (4 + size)) + U32.pack(batch)
+            item_head, pad = U32.pack(size), b"x" * (size - 8)
+            interval = batch * len(conns) / rate
+        results.put(("ready", spec["id"], None))
+        start.wait()
+        cpu0, t0 = time.process_time(), time.monotonic()
+        end = t0 + spec["duration"]
+        sent = rounds = 0
+        while True:
+            if rate:
+                due = t0 + rounds * interval
+                now = time.monotonic()
+                if due > now:
+                    time.sleep(due - now)
+                payload = prefix + (item_head + I64.pack(time.monotonic_ns()) + pad) * batch
+            for sock in socks:
+                sock.sendall(payload)
+            for conn in conns:
+                conn.expect_ok("MPUB")
+            rounds += 1
+            sent += batch * len(conns)
+            if time.monotonic() >= end or (limit and sent >= limit):
+                break
+        t1 = time.monotonic()
+        for conn in conns:
+            conn.close()
+        results.put(("done", spec["id"], {"role": "pub", "msgs": sent, "t0": t0, "t1": t1,
+                                          "cpu": time.process_time() - cpu0}))
+    except BaseException:
+        results.put(("error", spec["id"], traceback.format_exc()))
+
+
+def sub_worker(spec: dict, start, results, counters, target) -> None:
+    """Read messages and FIN each; one FIN write per socket read, as bench_reader's bufio."""
+    try:
+        conns = [Conn(spec["address"], "reader") for _ in range(spec["conns"])]
+        for conn in conns:
+            conn.subscribe(spec["topic"], spec["channel"])
+        latency = array("q") if spec["latency"] else None
+        slot = spec["slot"]
+        sel = selectors.DefaultSelector()
+        for conn in conns:
+            conn.sock.settimeout(None)
+            sel.register(conn.sock, selectors.EVENT_READ, conn)
+        results.put(("ready", spec["id"], None))
+        start.wait()
+        cpu0, t0 = time.process_time(), time.monotonic()
+        end = t0 + spec["duration"]
+        rdy = command("RDY", str(spec["rdy"]))
+        for conn in conns:
+            conn.sock.sendall(rdy)
+        got = 0
+        t1 = t0
+        unpack, stamp = HDR.unpack_from, I64.unpack_from
+        while True:
+            for key, _ in sel.select(0.05):
+                conn = key.data
+                data = conn.sock.recv(RECV_SIZE)
+                if not data:
+                    raise BenchError("connection closed by nsqd")
+                if conn.buf:
+                    data = conn.buf + data
+                now = time.monotonic_ns()
+                ids = []
+                append = ids.append
+                n, p = len(data), 0
+                while n - p >= 8:
+                    size, ftype = unpack(data, p)
+                    q = p + 4 + size
+                    if q > n:
+                        break
+                    if ftype == FRAME_MESSAGE:  # ts(8) attempts(2) id(16) body
+                        append(data[p + 18:p + 34])
+                        if latency is not None:
+                            latency.append(now - stamp(data, p + 34)[0])
+                    elif ftype == FRAME_RESPONSE:
+                        if data[p + 8:q] == HEARTBEAT:
+                            conn.sock.sendall(b"NOP\n")
+                    else:
+                        raise BenchError(f"nsqd error: {data[p + 8:q].decode(errors='replace')}")
+                    p = q
+                conn.buf = data[p:]
+                if ids:
+                    conn.sock.sendall(b"FIN " + b"\nFIN ".join(ids) + b"\n")
+                    got += len(ids)
+                    t1 = time.monotonic()
+            counters[slot] = got
+            if t1 >= end or time.monotonic() >= end or sum(counters) >= target.value:
+                break
+        for conn in conns:
+            conn.close()
+        results.put(("done", spec["id"], {"role": "sub", "msgs": got, "t0": t0, "t1": t1,
+                                          "cpu": time.process_time() - cpu0,
+                                          "latency": latency.tobytes() if latency is not None else b""}))
+    except BaseException:
+        results.put(("error", spec["id"], traceback.format_exc()))
+
+
+# ---------------------------------------------------------------- the daemon
+def proc_stats(pid: int | None) -> dict:
+    """CPU seconds (utime + stime) and VmRSS / VmHWM in MB of a process, from /proc."""
+    if not pid:
+        return {}
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        user, system = int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
+        stats = {"cpu": user + system, "sys": system}
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    stats[key] = int(value.split()[0]) / 1024
+        return stats
+    except OSError:
+        return {}
+
+
+def machine_busy() -> float:
+    """CPU-seconds all CPUs have spent busy since boot (/proc/stat, less idle and iowait)."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / CLK_TCK
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(address, proc, log_path, timeout=20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise BenchError(f"nsqd exited with {proc.returncode}:\n{Path(log_path).read_text()[-3000:]}")
+        try:
+            socket.create_connection(address, timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise BenchError(f"nsqd not listening on {address[0]}:{address[1]} after {timeout} s")
+
+
+class Daemon:
+    """``python -m nsqd`` on free loopback ports with a fresh data dir; SIGTERM on stop."""
+
+    def __init__(self, extra_args: list[str], keep: bool) -> None:
+        self.keep = keep
+        self.tmp = Path(tempfile.mkdtemp(prefix="nsq_bench."))
+        self.address = ("127.0.0.1", free_port())
+        self.log_path = self.tmp / "nsqd.log"
+        cmd = [sys.executable, "-m", "nsqd", "--tcp-address", f"127.0.0.1:{self.address[1]}",
+               "--http-address", f"127.0.0.1:{free_port()}", "--data-path", str(self.tmp / "data"),
+               *extra_args]
+        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.pid = self.proc.pid
+        print(f"nsqd: pid {self.pid} on {self.address[0]}:{self.address[1]}: {shlex.join(cmd)}", flush=True)
+        wait_for_port(self.address, self.proc, self.log_path)
+
+    def data_bytes(self) -> int:
+        return sum(f.stat().st_size for f in (self.tmp / "data").rglob("*") if f.is_file())
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(60)
+            print(f"nsqd: exited with {code} after SIGTERM", flush=True)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            print("nsqd: did not exit within 60 s of SIGTERM; killed", flush=True)
+        if self.keep:
+            print(f"nsqd: data and log kept in {self.tmp}", flush=True)
+        else:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- phases
+def split(total: int, parts: int) -> list[int]:
+    parts = max(1, min(parts, total))
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+def percentile(sorted_values: array, fraction: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(fraction * len(sorted_values)))]
+
+
+def run_phase(opts, pid, name, topic, *, writers=0, readers=0, rate=0.0, limit=0,
+              target=0, duration=None, reader_grace=0.0) -> dict:
+    """Run writer and reader processes together; print and return the figures."""
+    ctx = mp.get_context("fork")
+    start, results = ctx.Event(), ctx.Queue()
+    duration = opts.duration if duration is None else duration
+    reader_procs = split(readers, opts.procs) if readers else []
+    counters = ctx.Array("q", max(1, len(reader_procs)), lock=False)
+    shared_target = ctx.Value("q", target or 2 ** 62, lock=False)
+    specs = []
+    for i, n in enumerate(reader_procs):
+        specs.append(("sub", {"id": len(specs), "slot": i, "address": opts.address, "topic": topic,
+                              "channel": opts.channel, "conns": n, "rdy": opts.rdy,
+                              "duration": duration + reader_grace, "latency": bool(rate)}))
+    writer_procs = split(writers, opts.procs) if writers else []
+    for n in writer_procs:
+        share = -(-limit * n // writers) if limit else 0
+        specs.append(("pub", {"id": len(specs), "address": opts.address, "topic": topic, "conns": n,
+                              "batch": opts.batch, "size": opts.size, "duration": duration,
+                              "rate": rate * n / writers if rate else 0.0, "limit": share}))
+    procs = []
+    for role, spec in specs:
+        if role == "sub":
+            args = (spec, start, results, counters, shared_target)
+            procs.append(ctx.Process(target=sub_worker, args=args, daemon=True))
+        else:
+            procs.append(ctx.Process(target=pub_worker, args=(spec, start, results), daemon=True))
+    for p in procs:
+        p.start()
+    done: dict[int, dict] = {}
+    try:
+        ready = 0
+        while ready < len(procs):
+            kind, wid, payload = results.get(timeout=60)
+            if kind == "error":
+                raise BenchError(f"{name}: worker failed during setup:\n{payload}")
+            ready += 1
+        before, busy0, t_start = proc_stats(pid), machine_busy(), time.monotonic()
+        start.set()
+        pub_ids = {spec["id"] for role, spec in specs if role == "pub"}
+        grace = duration + reader_grace + 120 + (opts.timeout if limit else 0)
+        while len(done) < len(procs):
+            kind, wid, payload = results.get(timeout=grace)
+            if kind == "error":
+                raise BenchError(f"{name}: worker failed:\n{payload}")
+            done[wid] = payload
+            if rate and pub_ids and pub_ids <= done.keys():  # latency readers stop once all is read
+                shared_target.value = sum(done[i]["msgs"] for i in pub_ids)
+        after, busy1, wall = proc_stats(pid), machine_busy(), time.monotonic() - t_start
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+    out = report(name, opts, done.values(), writers, readers, before, after, rate)
+    gen = sum(r["cpu"] for r in done.values())
+    nsqd = after["cpu"] - before["cpu"] if before and after else 0.0
+    other = busy1 - busy0 - gen - nsqd
+    who = "nsqd" if before else "nsqd (no --pid: counted in other)"
+    print(f"{name} machine: {os.cpu_count()} cpus, busy {(busy1 - busy0) / wall:.2f} = {who} {nsqd / wall:.2f}"
+          f" + generator {gen / wall:.2f} + other {other / wall:.2f} (cpus, averaged over {wall:.1f} s)",
+          flush=True)
+    out["machine"] = {"busy": (busy1 - busy0) / wall, "other": other / wall}
+    return out
+
+
+def _rate(role_results, size):
+    if not role_results:
+        return None
+    msgs = sum(r["msgs"] for r in role_results)
+    secs = max(r["t1"] for r in role_results) - min(r["t0"] for r in role_results)
+    return {"msgs": msgs, "secs": secs, "rate": msgs / secs if secs > 0 else 0.0,
+            "mbps": msgs * size / secs / 1e6 if secs > 0 else 0.0,
+            "gen_cpu": sum(r["cpu"] for r in role_results)}
+
+
+def report(name, opts, results, writers, readers, before, after, rate) -> dict:
+    results = list(results)
+    out = {"phase": name}
+    for role, word, conns in (("pub", "publish", writers), ("sub", "consume", readers)):
+        fig = _rate([r for r in results if r["role"] == role], opts.size)
+        if fig is None:
+            continue
+        out[role] = fig
+        nprocs = len(split(conns, opts.procs))
+        print(f"{name} {word}: {fig['rate']:.0f} msgs/s ({fig['mbps']:.1f} MB/s) over {fig['secs']:.2f} s "
+              f"[{fig['msgs']} msgs, {conns} conns, {nprocs} procs, generator cpu {fig['gen_cpu']:.2f} s]",
+              flush=True)
+    if rate:
+        lat = array("q")
+        for r in results:
+            if r["role"] == "sub":
+                lat.frombytes(r["latency"])
+        lat = array("q", sorted(lat))
+        if lat:
+            ms = {k: percentile(lat, f) / 1e6 for k, f in (("p50", .5), ("p90", .9), ("p99", .99))}
+            ms["max"] = lat[-1] / 1e6
+            out["latency"] = ms
+            print(f"{name} latency: p50 {ms['p50']:.2f} ms, p90 {ms['p90']:.2f} ms, p99 {ms['p99']:.2f} ms, "
+                  f"max {ms['max']:.2f} ms [{len(lat)} msgs, target {rate:.0f} msgs/s]", flush=True)
+    if before and after:
+        msgs = sum(out[r]["msgs"] for r in ("pub", "sub") if r in out)
+        cpu, system = after["cpu"] - before["cpu"], after["sys"] - before["sys"]
+        out["daemon"] = {"cpu": cpu, "us_per_msg": cpu / msgs * 1e6 if msgs else 0.0,
+                         "rss": after["VmRSS"], "hwm": after["VmHWM"]}
+        print(f"{name} daemon: cpu {cpu:.2f} s ({system:.2f} s sys), {out['daemon']['us_per_msg']:.2f} us/msg "
+              f"(msgs = published + consumed), rss {after['VmRSS']:.1f} MB, "
+              f"peak rss {after['VmHWM']:.1f} MB", flush=True)
+    return out
+
+
+def phase_topic(opts, phase: str) -> str:
+    return opts.topic if phase in ("pub", "sub") else f"{opts.topic}_{phase}"
+
+
+def run_backlog(opts, pid, daemon) -> dict:
+    """Publish ``--backlog`` messages into a channel nobody reads; report memory."""
+    topic = phase_topic(opts, "backlog")
+    ensure_channel(opts.address, topic, opts.channel)
+    out = run_phase(opts, pid, "backlog", topic, writers=opts.writers, limit=opts.backlog,
+                    duration=opts.timeout)
+    time.sleep(3)  # let the daemon settle (moves to disk, GC)
+    stats = proc_stats(pid)
+    if stats:
+        disk = f", data dir {daemon.data_bytes() / 1e6:.1f} MB" if daemon else ""
+        print(f"backlog memory: rss {stats['VmRSS']:.1f} MB, peak rss {stats['VmHWM']:.1f} MB "
+              f"with {out['pub']['msgs']} msgs queued{disk}", flush=True)
+        out["memory"] = stats
+    return out
+
+
+def run_mode(opts, pid, daemon) -> list[dict]:
+    w, r = opts.writers, opts.readers
+    if opts.backlog:
+        return [run_backlog(opts, pid, daemon)]
+    if opts.mode == "pub":
+        ensure_channel(opts.address, opts.topic, opts.channel)
+        return [run_phase(opts, pid, "pub", opts.topic, writers=w)]
+    if opts.mode == "sub":
+        return [run_phase(opts, pid, "sub", opts.topic, readers=r, target=opts.count)]
+    if opts.mode == "both":
+        return [run_phase(opts, pid, "both", phase_topic(opts, "both"), writers=w, readers=r)]
+    if opts.mode == "latency":
+        return [run_phase(opts, pid, "lat", phase_topic(opts, "lat"), writers=w, readers=r,
+                          rate=opts.rate, reader_grace=5)]
+    # all
+    ensure_channel(opts.address, opts.topic, opts.channel)
+    pub = run_phase(opts, pid, "pub", opts.topic, writers=w)
+    sub = run_phase(opts, pid, "sub", opts.topic, readers=r, target=pub["pub"]["msgs"])
+    if sub["sub"]["msgs"] < pub["pub"]["msgs"]:
+        print(f"sub note: drained {sub['sub']['msgs']} of {pub['pub']['msgs']} msgs within the duration")
+    both = run_phase(opts, pid, "both", phase_topic(opts, "both"), writers=w, readers=r)
+    half = min(both["pub"]["rate"], both["sub"]["rate"]) / 2
+    lat = run_phase(opts, pid, "lat", phase_topic(opts, "lat"), writers=w, readers=r,
+                    rate=half, reader_grace=5)
+    return [pub, sub, both, lat]
+
+
+def summary(phases: list[dict]) -> None:
+    print("\nsummary")
+    print(f"{'phase':<10}{'direction':<10}{'msgs':>10}{'secs':>8}{'msgs/s':>10}{'MB/s':>8}"
+          f"{'nsqd us/msg':>13}{'nsqd rss MB':>13}")
+    for ph in phases:
+        d = ph.get("daemon", {})
+        for role, word in (("pub", "publish"), ("sub", "consume")):
+            if role in ph:
+                f = ph[role]
+                print(f"{ph['phase']:<10}{word:<10}{f['msgs']:>10}{f['secs']:>8.2f}{f['rate']:>10.0f}"
+                      f"{f['mbps']:>8.1f}{d.get('us_per_msg', float('nan')):>13.2f}"
+                      f"{d.get('rss', float('nan')):>13.1f}")
+        if "latency" in ph:
+            ms = ph["latency"]
+            print(f"{ph['phase']:<10}latency   p50 {ms['p50']:.2f} ms  p90 {ms['p90']:.2f} ms  "
+                  f"p99 {ms['p99']:.2f} ms  max {ms['max']:.2f} ms")
+    if phases and "daemon" in phases[-1]:
+        print(f"nsqd peak rss: {phases[-1]['daemon']['hwm']:.1f} MB (VmHWM)")
+
+
+def self_test(opts, pid, daemon) -> bool:
+    """Every mode for a second or so; published and consumed counts must agree."""
+    opts.duration = 1.0
+    ok = True
+
+    def check(cond, what):
+        nonlocal ok
+        print(f"self-test {'ok' if cond else 'FAILED'}: {what}", flush=True)
+        ok &= bool(cond)
+
+    ensure_channel(opts.address, opts.topic, opts.channel)
+    pub = run_phase(opts, pid, "pub", opts.topic, writers=opts.writers)
+    check(pub["pub"]["msgs"] > 0, "pub published messages")
+    sub = run_phase(opts, pid, "sub", opts.topic, readers=opts.readers, target=pub["pub"]["msgs"],
+                    duration=30)
+    check(sub["sub"]["msgs"] == pub["pub"]["msgs"], "sub drained exactly what pub published")
+    both = run_phase(opts, pid, "both", phase_topic(opts, "both"), writers=opts.writers, readers=opts.readers)
+    check(both["pub"]["msgs"] > 0 and both["sub"]["msgs"] > 0, "both published and consumed")
+    lat = run_phase(opts, pid, "lat", phase_topic(opts, "lat"), writers=opts.writers,
+                    readers=opts.readers, rate=20000, reader_grace=10)
+    check(lat["sub"]["msgs"] == lat["pub"]["msgs"] and "latency" in lat, "latency read all it published")
+    check(abs(lat["pub"]["rate"] - 20000) < 4000, "latency writers held the target rate")
+    opts.backlog = 50000
+    back = run_backlog(opts, pid, daemon)
+    check(back["pub"]["msgs"] >= 50000, "backlog published its count")
+    print(f"self-test: {'ok' if ok else 'FAILED'}", flush=True)
+    return ok
+
+
+# ---------------------------------------------------------------- main
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--mode", choices=("pub", "sub", "both", "latency", "all"), default="all")
+    p.add_argument("--spawn", action="store_true", help="start nsqd on free ports with a fresh data dir")
+    p.add_argument("--nsqd-args", default="", help="extra flags for the spawned nsqd (one string)")
+    p.add_argument("--keep", action="store_true", help="keep the spawned nsqd's data dir and log")
+    p.add_argument("--nsqd-tcp-address", default="127.0.0.1:4150", help="nsqd to load when not spawning")
+    p.add_argument("--pid", type=int, default=0, help="pid of that nsqd, for CPU and RSS figures")
+    p.add_argument("--topic", default="sub_bench")
+    p.add_argument("--channel", default="ch")
+    p.add_argument("--duration", type=float, default=8.0, help="seconds per phase")
+    p.add_argument("--size", type=int, default=200, help="message body bytes")
+    p.add_argument("--batch", type=int, default=200, help="messages per MPUB")
+    p.add_argument("--writers", type=int, default=2, help="publishing connections")
+    p.add_argument("--readers", type=int, default=2, help="consuming connections")
+    p.add_argument("--procs", type=int, default=1, help="worker processes per role (connections are spread)")
+    p.add_argument("--rdy", type=int, default=2500, help="RDY count per reader connection")
+    p.add_argument("--count", type=int, default=0, help="sub mode: stop after this many messages (0: duration)")
+    p.add_argument("--rate", type=float, default=50000, help="latency mode: target msgs/s over all writers")
+    p.add_argument("--backlog", type=int, default=0, help="publish N messages with no consumer; report RSS")
+    p.add_argument("--timeout", type=float, default=600, help="time limit for --backlog publishing")
+    p.add_argument("--self-test", action="store_true", help="run every mode briefly and check the counts")
+    p.add_argument("--py-spy", metavar="FILE", default="",
+                   help="profile nsqd with py-spy for the whole run (.svg flame graph, .txt collapsed stacks)")
+    opts = p.parse_args(argv)
+    if opts.rate and opts.size < 8:
+        p.error("--size must be at least 8 (latency mode stamps the body)")
+    return opts
+
+
+def start_profiler(path: str, pid: int) -> subprocess.Popen:
+    """``py-spy record`` attached to nsqd; stopped with SIGINT, when it writes its output."""
+    if not pid:
+        raise BenchError("--py-spy needs --spawn or --pid")
+    fmt = "raw" if path.endswith(".txt") else "flamegraph"
+    cmd = ["py-spy", "record", "--pid", str(pid), "--rate", "100", "--format", fmt, "--output", path]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1)  # let it attach
+    return proc
+
+
+def main(argv=None) -> int:
+    opts = parse_args(argv)
+    daemon = profiler = None
+    try:
+        if opts.spawn:
+            daemon = Daemon(shlex.split(opts.nsqd_args), opts.keep)
+            opts.address, pid = daemon.address, daemon.pid
+        else:
+            host, _, port = opts.nsqd_tcp_address.rpartition(":")
+            opts.address, pid = (host or "127.0.0.1", int(port)), opts.pid
+            wait_for_port(opts.address, None, None, timeout=5)
+        if opts.py_spy:
+            profiler = start_profiler(opts.py_spy, pid)
+        mode = "self-test" if opts.self_test else f"backlog {opts.backlog}" if opts.backlog else opts.mode
+        print(f"nsq_bench: mode {mode}, size {opts.size}, "
+              f"batch {opts.batch}, writers {opts.writers}, readers {opts.readers}, procs {opts.procs}, "
+              f"rdy {opts.rdy}, duration {opts.duration} s, cpus {os.cpu_count()}", flush=True)
+        if opts.self_test:
+            return 0 if self_test(opts, pid, daemon) else 1
+        phases = run_mode(opts, pid, daemon)
+        if len(phases) > 1:
+            summary(phases)
+        return 0
+    except (BenchError, OSError, queue.Empty) as exc:
+        print(f"nsq_bench: error: {exc!r}" if isinstance(exc, queue.Empty) else f"nsq_bench: error: {exc}",
+              file=sys.stderr)
+        if daemon is not None:
+            print(f"nsqd log tail:\n{daemon.log_path.read_text(errors='replace')[-2000:]}", file=sys.stderr)
+        return 1
+    finally:
+        if profiler is not None:
+            profiler.send_signal(signal.SIGINT)
+            profiler.wait(60)
+            print(f"py-spy: profile written to {opts.py_spy}", flush=True)
+        if daemon is not None:
+            daemon.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

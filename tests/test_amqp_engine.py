@@ -1,0 +1,446 @@
+"""The sans-I/O AMQP engine: a client and a server engine talking in memory."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from amqp_gateway import errors, events as ev, performatives as p, serial
+from amqp_gateway.connection import Connection
+from amqp_gateway.framing import AMQP_HEADER, SASL_HEADER, encode_frame
+from amqp_gateway.sasl import SaslClient, SaslServer
+from amqp_gateway.session import INCOMING_WINDOW
+
+
+class Pair:
+    """A client and a server engine and the events each has seen."""
+
+    def __init__(self, *, client_sasl=None, server_sasl=None, **server_options) -> None:
+        self.server = Connection(client=False, container_id="server", sasl=server_sasl, **server_options)
+        self.client = Connection(client=True, container_id="client", sasl=client_sasl)
+        self.server_events: list = []
+        self.client_events: list = []
+
+    def exchange(self) -> None:
+        for _ in range(50):
+            to_server = self.client.data_to_send()
+            if to_server:
+                self.server_events += self.server.receive_data(to_server)
+            to_client = self.server.data_to_send()
+            if to_client:
+                self.client_events += self.client.receive_data(to_client)
+            if not to_server and not to_client:
+                return
+        raise AssertionError("the engines never went quiet")
+
+    def take(self, side: str, kind=None) -> list:
+        seen = self.server_events if side == "server" else self.client_events
+        out = [e for e in seen if kind is None or isinstance(e, kind)]
+        seen[:] = [e for e in seen if not (kind is None or isinstance(e, kind))]
+        return out
+
+    def open_session(self):
+        self.client.open()
+        self.exchange()
+        session = self.client.begin()
+        self.exchange()
+        assert session.begin_received
+        return session
+
+    def link(self, role: bool = p.SENDER, *, name: str = "l", snd_settle_mode=p.SND_UNSETTLED,
+             initial_delivery_count: int = 0):
+        """A link from the client, answered by the server; returns (client link, server link)."""
+        session = self.client.sessions.get(0) or self.open_session()
+        link = session.attach(name, role)
+        link.delivery_count = initial_delivery_count
+        link.attach(p.Source("/src"), p.Target("/dst"), snd_settle_mode=snd_settle_mode)
+        self.exchange()
+        (attaching,) = self.take("server", ev.LinkAttaching)
+        server_link = attaching.link
+        server_link.attach(server_link.remote_attach.source, server_link.remote_attach.target,
+                           snd_settle_mode=snd_settle_mode)
+        self.exchange()
+        assert self.take("client", ev.LinkAttached)
+        return link, server_link
+
+
+# ------------------------------------------------------------ connection
+def test_open_negotiates_frame_size_channels_and_idle_timeout():
+    pair = Pair(max_frame_size=4096, channel_max=7, idle_timeout=30)
+    pair.client.open()
+    pair.exchange()
+    (opened,) = pair.take("client", ev.ConnectionOpened)
+    assert opened.open.container_id == "server"
+    assert pair.client.peer_max_frame_size == 4096
+    assert pair.client.peer_channel_max == 7
+    assert pair.client.peer_idle_timeout == 30.0
+    assert pair.server.peer_idle_timeout is None
+    assert pair.take("server", ev.ConnectionOpened)
+
+
+def test_sasl_anonymous_and_plain():
+    anonymous = Pair(client_sasl=SaslClient(), server_sasl=SaslServer(lambda u, pw: False))
+    anonymous.client.open()
+    anonymous.exchange()
+    assert anonymous.server.open_received and anonymous.server.sasl.identity == ""
+    checked = []
+    plain = Pair(client_sasl=SaslClient("PLAIN", "alice", "secret"),
+                 server_sasl=SaslServer(lambda u, pw: checked.append((u, pw)) or pw == "secret"))
+    plain.client.open()
+    plain.exchange()
+    assert checked == [("alice", "secret")]
+    assert plain.client.open_received and plain.server.sasl.identity == "alice"
+
+
+def test_sasl_plain_with_bad_credentials_is_refused():
+    pair = Pair(client_sasl=SaslClient("PLAIN", "alice", "wrong"),
+                server_sasl=SaslServer(lambda u, pw: pw == "secret"))
+    pair.client.open()
+    pair.exchange()
+    (closed,) = pair.take("server", ev.ConnectionClosed)
+    assert closed.error.condition == errors.UNAUTHORIZED_ACCESS
+    assert pair.server.finished and not pair.server.open_received
+    assert pair.take("client", ev.ConnectionClosed)[0].error.condition == errors.UNAUTHORIZED_ACCESS
+
+
+def test_sasl_required_refuses_a_bare_amqp_header():
+    server = Connection(client=False, container_id="s", sasl=SaslServer(lambda u, pw: True), sasl_required=True)
+    events = server.receive_data(AMQP_HEADER)
+    assert server.data_to_send() == SASL_HEADER
+    assert server.finished and isinstance(events[0], ev.ConnectionClosed)
+
+
+def test_without_sasl_required_a_bare_amqp_header_is_served():
+    server = Connection(client=False, container_id="s", sasl=SaslServer(lambda u, pw: True))
+    server.receive_data(AMQP_HEADER)
+    assert server.data_to_send() == AMQP_HEADER and not server.finished
+
+
+@pytest.mark.parametrize("header", [b"HTTP/1.1", b"AMQP\x02\x01\x00\x00", b"AMQP\x00\x00\x09\x01"])
+def test_unsupported_protocol_header_gets_ours_and_a_hang_up(header):
+    server = Connection(client=False, container_id="s", sasl=SaslServer(lambda u, pw: True))
+    server.receive_data(header)
+    assert server.data_to_send() == SASL_HEADER
+    assert server.finished
+
+
+def _opened_server(**options) -> Connection:
+    server = Connection(client=False, container_id="s", **options)
+    server.receive_data(AMQP_HEADER + encode_frame(0, p.Open("c").encode_amqp()))
+    server.data_to_send()
+    return server
+
+
+def _close_error(server: Connection, events: list) -> str:
+    (closed,) = [e for e in events if isinstance(e, ev.ConnectionClosed)]
+    out = server.data_to_send()
+    assert p.Close(closed.error).encode_amqp() in out
+    assert server.finished
+    return closed.error.condition
+
+
+@pytest.mark.parametrize("frame, condition", [
+    (encode_frame(0, b"\x41"), errors.DECODE_ERROR),                                  # not described
+    (encode_frame(0, b"\x00\x53\x10\x45"), errors.DECODE_ERROR),                      # open without container-id
+    (encode_frame(0, b"\x00\x53\x99\x45"), errors.DECODE_ERROR),                      # unknown performative
+    (encode_frame(0, p.Open("again").encode_amqp()), errors.ILLEGAL_STATE),           # second open
+    (encode_frame(3, p.Flow(0, 1, 0, 1).encode_amqp()), errors.ILLEGAL_STATE),        # no session there
+    (encode_frame(300, p.Begin(None, 0, 10, 10).encode_amqp()), errors.NOT_ALLOWED),  # beyond channel-max
+    (encode_frame(0, b"x" * 200_000), errors.FRAMING_ERROR),                          # beyond max-frame-size
+    (encode_frame(0, p.Close().encode_amqp() + b"junk"), errors.DECODE_ERROR),        # payload after close
+])
+def test_protocol_violations_close_the_connection_with_an_error(frame, condition):
+    server = _opened_server()
+    events = server.receive_data(frame)
+    assert _close_error(server, events) == condition
+
+
+def test_a_violation_before_open_still_sends_open_then_close():
+    server = Connection(client=False, container_id="s")
+    events = server.receive_data(AMQP_HEADER + encode_frame(0, p.Begin(None, 0, 1, 1).encode_amqp()))
+    out = server.data_to_send()
+    assert out.startswith(AMQP_HEADER)
+    assert out.index(b"\x00\x53\x10") < out.index(b"\x00\x53\x18")
+    assert events[-1].error.condition == errors.ILLEGAL_STATE
+
+
+def test_peer_close_is_answered():
+    pair = Pair()
+    pair.open_session()
+    pair.client.close(p.Error("amqp:internal-error", "bye"))
+    pair.exchange()
+    (closed,) = pair.take("server", ev.ConnectionClosed)
+    assert closed.by_peer and closed.error.description == "bye"
+    assert pair.server.finished and pair.client.finished
+
+
+@given(st.binary(min_size=1, max_size=400))
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_garbage_after_the_handshake_never_raises(garbage):
+    server = _opened_server(sasl=SaslServer(lambda u, pw: True))
+    server.receive_data(encode_frame(0, p.Begin(None, 0, 100, 100).encode_amqp()))
+    server.receive_data(garbage)
+    server.receive_data(encode_frame(0, b"\x00\x53\x14" + garbage))
+    server.data_to_send()
+
+
+_VALID_FRAMES = [
+    p.Attach("l", 0, p.SENDER, source=p.Source("/s"), target=p.Target("/topics/t"), initial_delivery_count=0),
+    p.Flow(0, 100, 0, 100, 0, 0, 10, echo=True),
+    p.Transfer(0, 0, b"tag", 0, False),
+    p.Disposition(p.RECEIVER, 0, 3, True, p.Accepted()),
+    p.Detach(0, True, p.Error("amqp:internal-error", "x")),
+    p.End(),
+    p.Close(p.Error("amqp:internal-error")),
+    p.Begin(None, 0, 100, 100),
+    p.Open("again"),
+]
+_MUTANTS = (0x00, 0x40, 0x41, 0x43, 0x45, 0x52, 0x53, 0x70, 0xA0, 0xA1, 0xC0, 0xD0, 0xE0, 0xFF)
+
+
+def test_every_truncation_and_byte_swap_of_valid_frames_is_handled():
+    """Short and mutated performatives (the inline transfer reader included) never raise."""
+    handshake = (AMQP_HEADER + encode_frame(0, p.Open("c").encode_amqp())
+                 + encode_frame(0, p.Begin(None, 0, 100, 100).encode_amqp()))
+    for performative in _VALID_FRAMES:
+        body = performative.encode_amqp() + b"payload"
+        variants = [body[:n] for n in range(len(body))]
+        variants += [body[:i] + bytes([b]) + body[i + 1:] for i in range(len(body)) for b in _MUTANTS]
+        for variant in variants:
+            server = Connection(client=False, container_id="s")
+            server.receive_data(handshake)
+            server.receive_data(encode_frame(0, variant))
+            server.data_to_send()
+
+
+def test_every_truncation_and_byte_swap_of_a_sasl_init_is_handled():
+    body = p.SaslInit("PLAIN", b"\x00user\x00pass", "host").encode_amqp()
+    variants = [body[:n] for n in range(len(body))]
+    variants += [body[:i] + bytes([b]) + body[i + 1:] for i in range(len(body)) for b in _MUTANTS]
+    for variant in variants:
+        server = Connection(client=False, container_id="s", sasl=SaslServer(lambda u, pw: True))
+        server.receive_data(SASL_HEADER + encode_frame(0, variant, 1) + AMQP_HEADER)
+        server.data_to_send()
+
+
+@given(st.lists(st.binary(max_size=64), max_size=10))
+@settings(max_examples=500, deadline=None)
+def test_garbage_from_the_first_byte_never_raises(chunks):
+    server = Connection(client=False, container_id="s", sasl=SaslServer(lambda u, pw: True))
+    for chunk in chunks:
+        server.receive_data(chunk)
+    server.data_to_send()
+
+
+# ------------------------------------------------------------ sessions
+def test_peer_ended_session_is_answered_and_reported():
+    pair = Pair()
+    session = pair.open_session()
+    session.end()
+    pair.exchange()
+    (ended,) = pair.take("server", ev.SessionEnded)
+    assert ended.by_peer
+    assert 0 not in pair.server.sessions and 0 not in pair.client.sessions
+
+
+def test_transfer_beyond_the_incoming_window_ends_the_session():
+    pair = Pair()
+    client_link, server_link = pair.link()
+    server_link.flow(credit=INCOMING_WINDOW + 10)
+    pair.exchange()
+    client_link.session.remote_incoming_window = INCOMING_WINDOW + 10  # the client ignores our window
+    client_link.send_transfers([b"%d" % i for i in range(INCOMING_WINDOW + 1)],
+                               [b"x"] * (INCOMING_WINDOW + 1), False)
+    events = pair.server.receive_data(pair.client.data_to_send())
+    ended = [e for e in events if isinstance(e, ev.SessionEnded)]
+    assert ended[0].error.condition == errors.WINDOW_VIOLATION and not ended[0].by_peer
+    assert sum(len(e.deliveries) for e in events if isinstance(e, ev.Transfers)) == INCOMING_WINDOW
+    assert not pair.server.finished
+
+
+def test_incoming_window_is_kept_open():
+    pair = Pair()
+    client_link, server_link = pair.link()
+    server_link.flow(credit=3 * INCOMING_WINDOW)
+    pair.exchange()
+    sent = 0
+    while sent < 3 * INCOMING_WINDOW:
+        n = min(client_link.session.outgoing_room, 3 * INCOMING_WINDOW - sent)
+        assert n > 0
+        client_link.send_transfers([b"%d" % i for i in range(n)], [b"x"] * n, True)
+        sent += n
+        pair.exchange()
+    delivered = sum(len(e.deliveries) for e in pair.take("server", ev.Transfers))
+    assert delivered == 3 * INCOMING_WINDOW
+
+
+def test_frames_beyond_the_peers_window_wait_for_its_flow():
+    pair = Pair()
+    client_link, server_link = pair.link()
+    server_link.flow(credit=10)
+    pair.exchange()
+    session = client_link.session
+    session.remote_incoming_window = 3
+    client_link.send_transfers([b"%d" % i for i in range(5)], [b"x"] * 5, True)
+    assert len(session.pending) == 2
+    pair.exchange()
+    assert sum(len(e.deliveries) for e in pair.take("server", ev.Transfers)) == 3
+    server_link.session.send_flow()
+    pair.exchange()
+    assert not session.pending
+    assert sum(len(e.deliveries) for e in pair.take("server", ev.Transfers)) == 2
+
+
+# ------------------------------------------------------------ links
+def test_refused_link_gets_a_null_node_then_a_detach_with_the_error():
+    pair = Pair()
+    pair.open_session()
+    link = pair.client.sessions[0].attach("r", p.RECEIVER)
+    link.attach(p.Source("/bad"), p.Target())
+    pair.exchange()
+    (attaching,) = pair.take("server", ev.LinkAttaching)
+    attaching.link.refuse(p.Error(errors.NOT_FOUND, "no such node"))
+    pair.exchange()
+    (attached,) = pair.take("client", ev.LinkAttached)
+    assert attached.link.remote_attach.source is None
+    (detached,) = pair.take("client", ev.LinkDetached)
+    assert detached.error.condition == errors.NOT_FOUND and detached.by_peer
+    assert not pair.client.finished and not pair.server.finished
+    assert not link.session.by_handle and not attaching.link.session.by_handle
+
+
+def test_link_credit_is_set_not_added():
+    pair = Pair()
+    client_link, server_link = pair.link()
+    server_link.flow(credit=5)
+    server_link.flow(credit=5)
+    pair.exchange()
+    assert client_link.credit == 5
+
+
+@pytest.mark.parametrize("initial", [0, 2**32 - 2])
+def test_sender_credit_formula_across_a_flow_in_flight(initial):
+    """credit(snd) = delivery-count(rcv) + credit(rcv) - delivery-count(snd), in serial arithmetic."""
+    pair = Pair()
+    client_link, server_link = pair.link(initial_delivery_count=initial)
+    server_link.flow(credit=3)
+    pair.exchange()
+    client_link.send_transfers([b"a", b"b"], [b"1", b"2"], True)   # two deliveries in flight ...
+    server_link.flow(credit=6)                                       # ... while the receiver sets 6
+    to_server, to_client = pair.client.data_to_send(), pair.server.data_to_send()
+    pair.client.receive_data(to_client)
+    assert client_link.credit == 4                                   # 6 less the two in flight
+    assert client_link.delivery_count == serial.add(initial, 2)
+    pair.server.receive_data(to_server)
+    assert server_link.credit == 4 and server_link.delivery_count == serial.add(initial, 2)
+
+
+def test_drain_uses_up_the_credit_and_reports_it():
+    pair = Pair()
+    client_link, server_link = pair.link(p.RECEIVER)  # the server sends
+    client_link.flow(credit=10, drain=True)
+    pair.exchange()
+    (flow,) = pair.take("server", ev.LinkFlow)
+    assert flow.drain and server_link.credit == 10
+    server_link.send_transfers([b"t"], [b"x"], True)
+    server_link.complete_drain()
+    pair.exchange()
+    assert server_link.credit == 0 and server_link.delivery_count == 10
+    assert client_link.credit == 0 and client_link.delivery_count == 10
+
+
+def test_transfer_without_credit_detaches_that_link_only():
+    pair = Pair()
+    client_link, server_link = pair.link()
+    client_link.credit = 1  # the client pretends
+    client_link.send_transfers([b"t"], [b"x"], True)
+    pair.exchange()
+    (detached,) = pair.take("server", ev.LinkDetached)
+    assert detached.error.condition == errors.TRANSFER_LIMIT_EXCEEDED and not detached.by_peer
+    assert not pair.server.finished
+    assert pair.take("client", ev.LinkDetached)[0].error.condition == errors.TRANSFER_LIMIT_EXCEEDED
+
+
+def test_large_messages_are_split_to_the_peers_frame_size_and_reassembled():
+    pair = Pair(max_frame_size=1024)
+    client_link, server_link = pair.link()
+    server_link.flow(credit=2)
+    pair.exchange()
+    payloads = [bytes(range(256)) * 20, b"small"]
+    client_link.send_transfers([b"big", b"small"], payloads, False)
+    frames = pair.client.data_to_send()
+    events = pair.server.receive_data(frames)
+    assert [d[3] for e in events if isinstance(e, ev.Transfers) for d in e.deliveries] == payloads
+    assert server_link.session.next_incoming_id == 7  # 6 frames for 5120 bytes at 1024 a frame, 1 more
+
+
+def test_a_delivery_above_the_links_max_message_size_arrives_without_payload():
+    pair = Pair()
+    client_link, server_link = pair.link()
+    server_link.max_message_size = 1000
+    server_link.flow(credit=3)
+    pair.exchange()
+    client_link.send_transfers([b"a", b"b", b"c"], [b"x" * 999, b"y" * 1001, b"z" * 300_000], False)
+    pair.exchange()
+    deliveries = [d for e in pair.take("server", ev.Transfers) for d in e.deliveries]
+    assert [(d[1], d[3] and len(d[3])) for d in deliveries] == [(b"a", 999), (b"b", None), (b"c", None)]
+
+
+def test_aborted_delivery_is_dropped():
+    pair = Pair()
+    client_link, server_link = pair.link()
+    server_link.flow(credit=2)
+    pair.exchange()
+    session = client_link.session
+    session.send(p.Transfer(client_link.handle, 0, b"t", 0, False, True), b"part")
+    session.send(p.Transfer(client_link.handle, aborted=True))
+    session.frames_sent(2)
+    client_link.send_transfers([b"u"], [b"whole"], False)
+    pair.exchange()
+    assert [d[1] for e in pair.take("server", ev.Transfers) for d in e.deliveries] == [b"u"]
+
+
+def test_dispositions_settle_ranges_and_report_per_link():
+    pair = Pair()
+    client_link, server_link = pair.link()
+    server_link.flow(credit=10)
+    pair.exchange()
+    client_link.send_transfers([b"%d" % i for i in range(10)], [b"x"] * 10, False)
+    pair.exchange()
+    (transfers,) = pair.take("server", ev.Transfers)
+    ids = [d[0] for d in transfers.deliveries]
+    server_link.settle(ids[:4] + ids[5:], p.Accepted())   # two ranges
+    server_link.settle([ids[4]], p.Rejected(p.Error("amqp:not-allowed", "no")))
+    out = pair.server.data_to_send()
+    assert out.count(b"\x00\x53\x15") == 3
+    settled = [e for e in pair.client.receive_data(out) if isinstance(e, ev.Settled)]
+    assert [(type(s.state).__name__, s.tags) for s in settled] == [
+        ("Accepted", [b"0", b"1", b"2", b"3"]), ("Accepted", [b"5", b"6", b"7", b"8", b"9"]),
+        ("Rejected", [b"4"])]
+    assert not client_link.session.unsettled
+
+
+def test_unsettled_terminal_outcome_is_settled_by_the_sender():
+    pair = Pair()
+    client_link, server_link = pair.link(p.RECEIVER)
+    client_link.flow(credit=1)
+    pair.exchange()
+    server_link.send_transfers([b"m"], [b"x"], False)
+    pair.exchange()
+    (transfers,) = pair.take("client", ev.Transfers)
+    client_link.session.send(p.Disposition(p.RECEIVER, transfers.deliveries[0][0], None, False, p.Released()))
+    pair.exchange()
+    (settled,) = pair.take("server", ev.Settled)
+    assert settled.tags == [b"m"] and not settled.settled
+    assert not server_link.session.unsettled
+
+
+def test_detach_by_the_peer_is_answered():
+    pair = Pair()
+    client_link, server_link = pair.link()
+    client_link.detach(p.Error("amqp:internal-error", "done"))
+    pair.exchange()
+    (detached,) = pair.take("server", ev.LinkDetached)
+    assert detached.by_peer and detached.error.description == "done"
+    assert not server_link.session.by_remote_handle and not client_link.session.by_handle

@@ -1,0 +1,458 @@
+"""The gateway driven by our own engine as a client, for what proton cannot send or show:
+echo, available, exact credit, per-link back-pressure, windows, heartbeats and violations."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from functools import partial
+
+import trio
+
+from amqp_gateway import events as ev, performatives as p
+from amqp_gateway.connection import Connection
+from amqp_gateway.consumer import FILL_BATCH
+from amqp_gateway.framing import EMPTY_FRAME, encode_frame
+from amqp_gateway.sasl import SaslClient
+from amqp_gateway.sections import Data, Message, decode_message, encode_message
+from amqp_gateway.server import serve_amqp
+from nsqd import message
+
+from .support import running_nsqd
+
+
+class Client:
+    """Our engine as an AMQP client on a Trio socket."""
+
+    def __init__(self, stream: trio.SocketStream, conn: Connection) -> None:
+        self.stream = stream
+        self.conn = conn
+        self.events: list = []
+        self.session = None
+
+    @classmethod
+    async def connect(cls, port: int, *, begin: bool = True, **options) -> Client:
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        client = cls(stream, Connection(client=True, container_id="raw-client", **options))
+        client.conn.open()
+        await client.until(lambda: client.conn.open_received or client.conn.finished)
+        if begin and client.conn.open_received:
+            client.session = client.conn.begin()
+            await client.until(lambda: client.session.begin_received)
+        return client
+
+    async def flush(self) -> None:
+        if self.conn.output:
+            await self.stream.send_all(self.conn.data_to_send())
+
+    async def read(self) -> bytes:
+        data = await self.stream.receive_some(1 << 16)
+        if data:
+            self.events += self.conn.receive_data(data)
+        return data
+
+    async def until(self, condition, timeout: float = 5.0) -> None:
+        with trio.fail_after(timeout):
+            await self.flush()
+            while not condition():
+                if not await self.read():
+                    raise EOFError("the gateway hung up")
+                await self.flush()
+
+    async def for_a_while(self, seconds: float) -> None:
+        """Keep reading (and answering) without waiting for anything in particular."""
+        with trio.move_on_after(seconds):
+            await self.until(lambda: False, timeout=seconds + 1)
+
+    def take(self, kind, link=None) -> list:
+        found = [e for e in self.events if isinstance(e, kind) and (link is None or e.link is link)]
+        self.events = [e for e in self.events if e not in found]
+        return found
+
+    def deliveries(self, link) -> list:
+        return [d for e in self.take(ev.Transfers, link) for d in e.deliveries]
+
+    async def attach(self, role: bool, address: str, *, name: str | None = None, settled: bool = False):
+        link = self.session.attach(name or f"{role}:{address}", role)
+        mode = p.SND_SETTLED if settled else p.SND_UNSETTLED
+        if role is p.SENDER:
+            link.attach(p.Source(), p.Target(address), snd_settle_mode=mode)
+        else:
+            link.attach(p.Source(address), p.Target(), snd_settle_mode=mode)
+        await self.until(lambda: link.attach_received)
+        return link
+
+    async def publish(self, link, bodies: list[bytes]) -> list:
+        """Send unsettled within credit, wait for every outcome; returns them in order."""
+        outcomes: dict[bytes, object] = {}
+        tags = [b"%d" % i for i in range(len(bodies))]
+        sent = 0
+        while len(outcomes) < len(bodies):
+            n = min(link.credit, len(bodies) - sent)
+            if n > 0:
+                link.send_transfers(tags[sent:sent + n], [body_payload(b) for b in bodies[sent:sent + n]], False)
+                sent += n
+            await self.flush()
+            await self.read()
+            for settled in self.take(ev.Settled, link):
+                outcomes.update(dict.fromkeys(settled.tags, settled.state))
+        return [outcomes[t] for t in tags]
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+def body_payload(body: bytes) -> bytes:
+    return encode_message(Message(body=[Data(body)]))
+
+
+def body_of(delivery) -> bytes:
+    return decode_message(delivery[3]).body[0].value
+
+
+@asynccontextmanager
+async def gateway(tmp_path, *, amqp_options=None, **overrides):
+    """The daemon and a gateway on an ephemeral port (``amqp_options`` for serve_amqp)."""
+    async with running_nsqd(tmp_path / "nsqd", **overrides) as nsqd:
+        async with trio.open_nursery() as nursery:
+            addresses = await nursery.start(partial(serve_amqp, nsqd, "127.0.0.1:0", **(amqp_options or {})))
+            nsqd.amqp_port = addresses[0][1]
+            yield nsqd
+            nursery.cancel_scope.cancel()
+
+
+async def eventually(condition, timeout: float = 5.0) -> None:
+    with trio.fail_after(timeout):
+        while not condition():
+            await trio.sleep(0.01)
+
+
+def put(nsqd, topic: str, channel: str, bodies: list[bytes]) -> None:
+    """Messages straight into a channel (the NSQ side of publishing is tested elsewhere)."""
+    target = nsqd.get_topic(topic)
+    target.get_channel(channel)
+    ids = nsqd.guid.new_ids(len(bodies))
+    target.put_chunk(ids, [message.encode_frame(i, b, nsqd.now_ns()) for i, b in zip(ids, bodies)],
+                     sum(map(len, bodies)))
+
+
+# ------------------------------------------------------------ link flow
+async def test_credit_is_set_not_added_and_echo_reports_available(tmp_path):
+    async with gateway(tmp_path) as nsqd:
+        put(nsqd, "t", "c", [b"%d" % i for i in range(7)])
+        client = await Client.connect(nsqd.amqp_port)
+        link = await client.attach(p.RECEIVER, "/topics/t/channels/c")
+        link.flow(0, echo=True)
+        await client.until(lambda: client.take(ev.LinkFlow, link))
+        assert (link.available, link.credit) == (7, 0)
+        link.flow(2)
+        link.flow(2)   # the same credit again: still 2, not 4
+        await client.until(lambda: len([e for e in client.events if isinstance(e, ev.Transfers)]) >= 1)
+        await client.for_a_while(0.2)
+        assert [body_of(d) for d in client.deliveries(link)] == [b"0", b"1"]
+        link.flow(0, echo=True)
+        await client.until(lambda: client.take(ev.LinkFlow, link))
+        assert (link.available, link.credit, link.delivery_count) == (5, 0, 2)
+        consumer = next(iter(nsqd.topics["t"].channels["c"].consumers.values()))
+        assert consumer.ready_count == 0 and len(consumer.in_flight) == 2
+
+
+async def test_drain_flow_carries_available_and_the_advanced_delivery_count(tmp_path):
+    async with gateway(tmp_path) as nsqd:
+        put(nsqd, "t", "c", [b"a", b"b", b"c"])
+        client = await Client.connect(nsqd.amqp_port)
+        link = await client.attach(p.RECEIVER, "/topics/t/channels/c")
+        link.flow(2, drain=True)
+        await client.until(lambda: client.take(ev.LinkFlow, link) or len(client.deliveries(link)) == 2)
+        await client.for_a_while(0.1)
+        # two transfers used the credit; the flow it answers with says one is left
+        link.flow(0, echo=True)
+        await client.until(lambda: client.take(ev.LinkFlow, link))
+        assert (link.available, link.delivery_count) == (1, 2)
+        link.flow(5, drain=True)
+        await client.until(lambda: client.take(ev.LinkFlow, link))
+        assert (link.credit, link.delivery_count, link.available) == (0, 7, 0)
+        assert [body_of(d) for d in client.deliveries(link)] == [b"c"]
+
+
+async def test_a_released_range_comes_back_in_order_uncounted(tmp_path):
+    async with gateway(tmp_path) as nsqd:
+        put(nsqd, "t", "c", [b"%d" % i for i in range(4)])
+        client = await Client.connect(nsqd.amqp_port)
+        link = await client.attach(p.RECEIVER, "/topics/t/channels/c")
+        link.flow(4)
+        await client.until(lambda: sum(len(e.deliveries) for e in client.events if isinstance(e, ev.Transfers)) == 4)
+        first = client.deliveries(link)
+        link.settle([d[0] for d in first], p.Released())   # one disposition for the range
+        link.flow(4)
+        await client.until(lambda: sum(len(e.deliveries) for e in client.events if isinstance(e, ev.Transfers)) == 4)
+        again = client.deliveries(link)
+        assert [d[1] for d in again] == [d[1] for d in first]
+        assert all(decode_message(d[3]).header is None for d in again)   # delivery-count still 0
+        channel = nsqd.topics["t"].channels["c"]
+        assert channel.requeue_count == 4 and not channel.failed
+
+
+async def test_presettled_consumer_gets_settled_transfers(tmp_path):
+    async with gateway(tmp_path) as nsqd:
+        put(nsqd, "t", "c", [b"x", b"y"])
+        client = await Client.connect(nsqd.amqp_port)
+        link = await client.attach(p.RECEIVER, "/topics/t/channels/c", settled=True)
+        assert link.remote_attach.snd_settle_mode == p.SND_SETTLED
+        link.flow(10)
+        await client.until(lambda: len([d for e in client.events if isinstance(e, ev.Transfers)
+                                        for d in e.deliveries]) == 2)
+        assert all(d[2] for d in client.deliveries(link))
+        channel = nsqd.topics["t"].channels["c"]
+        (consumer,) = channel.consumers.values()
+        assert consumer.finish_count == 2 and channel.in_flight_count == 0
+
+
+# ------------------------------------------------------------ publishing
+async def test_one_full_topic_starves_only_its_own_link(tmp_path):
+    """Two senders and a receiver on one session: the full topic's link gets no credit,
+    the other link keeps publishing and the receiver keeps consuming."""
+    async with gateway(tmp_path, channel_max_messages=100) as nsqd:
+        nsqd.get_topic("full").get_channel("idle")       # nobody consumes: it fills up
+        nsqd.get_topic("free").get_channel("c")
+        client = await Client.connect(nsqd.amqp_port)
+        blocked = await client.attach(p.SENDER, "/topics/full")
+        flowing = await client.attach(p.SENDER, "/topics/free")
+        receiver = await client.attach(p.RECEIVER, "/topics/free/channels/c")
+        await client.until(lambda: blocked.credit and flowing.credit)
+        assert blocked.credit == 100   # a grant never exceeds the room the limit leaves
+        receiver.flow(500)
+        outcomes = {blocked: [], flowing: []}
+        sent = {blocked: 0, flowing: 0}
+        consumed = 0
+        with trio.fail_after(10):
+            while len(outcomes[flowing]) < 5000 or consumed < 5000:
+                for link in (blocked, flowing):
+                    n = link.credit if link is blocked else min(link.credit, 5000 - sent[flowing])
+                    if n > 0:
+                        tags = [b"%d" % (sent[link] + i) for i in range(n)]
+                        link.send_transfers(tags, [body_payload(b"m")] * n, False)
+                        sent[link] += n
+                await client.flush()
+                await client.read()
+                for settled in client.take(ev.Settled):
+                    outcomes[settled.link] += [type(settled.state).__name__] * len(settled.tags)
+                ids = [d[0] for d in client.deliveries(receiver)]
+                if ids:
+                    consumed += len(ids)
+                    receiver.settle(ids, p.Accepted())
+                    if receiver.credit < 250:
+                        receiver.flow(500)
+        # the full topic's link used its 100 credits and got no more
+        assert sent[blocked] == 100 and blocked.credit == 0
+        assert outcomes[blocked] == ["Accepted"] * 100
+        assert nsqd.topics["full"].channels["idle"].depth == 100
+        assert outcomes[flowing] == ["Accepted"] * 5000 and consumed == 5000
+        # once the topic has room again the starved link gets credit within a poll or two
+        nsqd.topics["full"].channels["idle"].empty()
+        await client.until(lambda: blocked.credit == 100, timeout=1)
+
+
+async def test_links_racing_for_the_last_room_are_refused_not_dropped(tmp_path):
+    async with gateway(tmp_path, channel_max_messages=10) as nsqd:
+        nsqd.get_topic("t").get_channel("c")
+        client = await Client.connect(nsqd.amqp_port)
+        first = await client.attach(p.SENDER, "/topics/t", name="first")
+        second = await client.attach(p.SENDER, "/topics/t", name="second")
+        await client.until(lambda: first.credit == 10 and second.credit == 10)
+        states = await client.publish(first, [b"a"] * 10) + await client.publish(second, [b"b"] * 10)
+        assert [type(s).__name__ for s in states] == ["Accepted"] * 10 + ["Rejected"] * 10
+        assert {s.error.condition for s in states[10:]} == {"amqp:resource-limit-exceeded"}
+        assert nsqd.topics["t"].channels["c"].depth == 10
+
+
+async def test_publish_refusals_keep_the_link(tmp_path):
+    async with gateway(tmp_path, max_msg_size=100) as nsqd:
+        nsqd.get_topic("t").get_channel("c")
+        client = await Client.connect(nsqd.amqp_port)
+        link = await client.attach(p.SENDER, "/topics/t")
+        states = await client.publish(link, [b"x" * 101, b"", b"y" * 100, b"z" * 200_000])
+        assert [type(s).__name__ for s in states] == ["Rejected", "Rejected", "Accepted", "Rejected"]
+        assert [s.error.condition for s in states if isinstance(s, p.Rejected)] == [
+            "amqp:link:message-size-exceeded", "amqp:invalid-field", "amqp:link:message-size-exceeded"]
+        link.send_transfers([b"bad"], [b"\x00\x53\x76\x45"], False)   # an amqp-sequence body
+        await client.until(lambda: any(isinstance(e, ev.Settled) for e in client.events))
+        (settled,) = client.take(ev.Settled, link)
+        assert settled.state.error.condition == "amqp:decode-error"
+        assert nsqd.topics["t"].channels["c"].depth == 1
+        assert client.conn.open_received and not client.conn.finished
+
+
+async def test_multi_frame_deliveries_respect_the_clients_frame_size(tmp_path):
+    async with gateway(tmp_path) as nsqd:
+        body = bytes(range(256)) * 8
+        put(nsqd, "t", "c", [body])
+        client = await Client.connect(nsqd.amqp_port, max_frame_size=512)
+        link = await client.attach(p.RECEIVER, "/topics/t/channels/c")
+        link.flow(1)
+        await client.until(lambda: any(isinstance(e, ev.Transfers) for e in client.events))
+        assert body_of(client.deliveries(link)[0]) == body
+        assert client.session.next_incoming_id >= 5   # it came in several frames
+
+
+async def test_session_incoming_window_is_honoured(tmp_path):
+    async with gateway(tmp_path) as nsqd:
+        put(nsqd, "t", "c", [b"%d" % i for i in range(20)])
+        client = await Client.connect(nsqd.amqp_port)
+        session = client.session
+        session.keep_window_open = lambda: None   # this client manages its window by hand
+        session.incoming_window = 5
+        session.send_flow()
+        link = await client.attach(p.RECEIVER, "/topics/t/channels/c")
+        link.flow(100)
+        await client.for_a_while(0.3)
+        assert len(client.deliveries(link)) == 5
+        session.incoming_window = 10
+        session.send_flow()
+        await client.for_a_while(0.3)
+        assert len(client.deliveries(link)) == 10
+        assert link.credit == 85
+
+
+async def test_huge_credit_never_takes_more_than_the_socket_drains(tmp_path):
+    async with gateway(tmp_path, mem_queue_size=5000) as nsqd:
+        total = 3000
+        put(nsqd, "t", "c", [b"b" * 16_000] * total)
+        client = await Client.connect(nsqd.amqp_port)
+        link = await client.attach(p.RECEIVER, "/topics/t/channels/c")
+        link.flow(1_000_000)
+        await client.flush()
+        await trio.sleep(0.5)   # and read nothing
+        channel = nsqd.topics["t"].channels["c"]
+        in_flight = channel.in_flight_count
+        # taken a batch at a time, and only as far as the socket took the batches
+        assert 0 < in_flight <= total // 2 and in_flight % FILL_BATCH == 0
+        assert channel.depth == total - in_flight
+        got = 0
+        with trio.fail_after(10):
+            while got < total:
+                await client.read()
+                await client.flush()  # our session window refills
+                got += len(client.deliveries(link))
+        assert channel.in_flight_count == total
+
+
+async def test_a_client_that_never_settles_does_not_grow_our_unsettled_map(tmp_path):
+    async with gateway(tmp_path, msg_timeout=0.2) as nsqd:
+        put(nsqd, "t", "c", [b"x"] * 1100)
+        client = await Client.connect(nsqd.amqp_port)
+        link = await client.attach(p.RECEIVER, "/topics/t/channels/c")
+        link.flow(5000)
+        (consumer,) = nsqd.topics["t"].channels["c"].consumers.values()
+        received = 0
+        with trio.fail_after(5):
+            while received < 2200:   # everything, then everything again after the timeout
+                await client.flush()
+                await client.read()
+                received += len(client.deliveries(link))
+        assert consumer.timeout_count >= 1100 and consumer.message_count >= 2200
+        assert len(consumer.link.session.unsettled) <= 1100   # the timed-out first deliveries went
+
+
+# ------------------------------------------------------------ lifecycle
+async def test_connection_loss_requeues_in_order(tmp_path):
+    async with gateway(tmp_path) as nsqd:
+        put(nsqd, "t", "c", [b"%d" % i for i in range(5)])
+        first = await Client.connect(nsqd.amqp_port)
+        link = await first.attach(p.RECEIVER, "/topics/t/channels/c")
+        link.flow(5)
+        await first.until(lambda: sum(len(e.deliveries) for e in first.events if isinstance(e, ev.Transfers)) == 5)
+        before = [d[1] for d in first.deliveries(link)]
+        await first.aclose()   # no detach, no close: the socket just goes
+        channel = nsqd.topics["t"].channels["c"]
+        await eventually(lambda: not channel.consumers and channel.depth == 5)
+        second = await Client.connect(nsqd.amqp_port)
+        link = await second.attach(p.RECEIVER, "/topics/t/channels/c")
+        link.flow(5)
+        await second.until(lambda: sum(len(e.deliveries) for e in second.events if isinstance(e, ev.Transfers)) == 5)
+        assert [d[1] for d in second.deliveries(link)] == before
+
+
+async def test_deleted_channel_detaches_its_consumers(tmp_path):
+    async with gateway(tmp_path) as nsqd:
+        nsqd.get_topic("t").get_channel("c")
+        client = await Client.connect(nsqd.amqp_port)
+        link = await client.attach(p.RECEIVER, "/topics/t/channels/c")
+        other = await client.attach(p.SENDER, "/topics/t")
+        nsqd.delete_channel(nsqd.topics["t"], "c")
+        await client.until(lambda: client.take(ev.LinkDetached, link) or link.detach_received)
+        assert link.detach_received
+        assert [type(s).__name__ for s in await client.publish(other, [b"still here"])] == ["Accepted"]
+
+
+async def test_idle_timeout_closes_a_silent_client_and_heartbeats_keep_ours(tmp_path):
+    async with gateway(tmp_path, amqp_options={"idle_timeout": 0.3}) as nsqd:
+        silent = await Client.connect(nsqd.amqp_port, begin=False)
+        assert silent.conn.peer_idle_timeout == 0.3
+        with trio.fail_after(3):
+            while not silent.conn.finished:
+                if not await silent.read():
+                    break
+        (closed,) = silent.take(ev.ConnectionClosed)
+        assert closed.error.condition == "amqp:resource-limit-exceeded"
+
+        chatty = await Client.connect(nsqd.amqp_port, begin=False, idle_timeout=0.2)
+        raw = b""
+        with trio.move_on_after(0.27):  # (it sends nothing itself, so it goes at 0.3 s too)
+            while True:
+                raw += await chatty.stream.receive_some(1 << 16)
+        assert raw.count(EMPTY_FRAME) >= 2   # one every 100 ms: half its idle timeout
+
+
+async def test_protocol_violation_closes_that_connection_only(tmp_path):
+    async with gateway(tmp_path) as nsqd:
+        bad = await Client.connect(nsqd.amqp_port)
+        good = await Client.connect(nsqd.amqp_port)
+        await bad.stream.send_all(encode_frame(0, b"\x00\x53\x13\xc0\x02\x01\xff"))
+        await bad.until(lambda: bad.conn.finished)
+        (closed,) = bad.take(ev.ConnectionClosed)
+        assert closed.by_peer and closed.error.condition == "amqp:decode-error"
+        await bad.stream.send_all(encode_frame(0, b"x" * 200_000))  # and then a frame far too big
+        link = await good.attach(p.SENDER, "/topics/t")
+        assert [type(s).__name__ for s in await good.publish(link, [b"ok"])] == ["Accepted"]
+
+
+async def test_sasl_plain_goes_through_the_authenticate_hook(tmp_path):
+    logins = []
+
+    def authenticate(username: str, password: str) -> bool:
+        logins.append(username)
+        return password == "s3cret"
+
+    async with gateway(tmp_path, amqp_options={"authenticate": authenticate}) as nsqd:
+        ok = await Client.connect(nsqd.amqp_port, sasl=SaslClient("PLAIN", "app", "s3cret"))
+        assert ok.conn.open_received
+        refused = await Client.connect(nsqd.amqp_port, sasl=SaslClient("PLAIN", "app", "nope"))
+        assert refused.conn.finished and not refused.conn.open_received
+        assert refused.take(ev.ConnectionClosed)[0].error.condition == "amqp:unauthorized-access"
+        anonymous = await Client.connect(nsqd.amqp_port, sasl=SaslClient())
+        assert anonymous.conn.open_received
+        assert logins == ["app", "app"]
+
+
+async def test_with_auth_servers_configured_nothing_gets_in_unchecked(tmp_path):
+    async with gateway(tmp_path, auth_http_addresses=["127.0.0.1:1"]) as nsqd:
+        for options in ({}, {"sasl": SaslClient()}, {"sasl": SaslClient("PLAIN", "u", "p")}):
+            client = await Client.connect(nsqd.amqp_port, **options)
+            assert client.conn.finished and not client.conn.open_received, options
+
+
+async def test_shutdown_stops_deliveries_then_closes_with_connection_forced(tmp_path):
+    async with running_nsqd(tmp_path / "nsqd", amqp_address="127.0.0.1:0", shutdown_grace=0.3) as nsqd:
+        put(nsqd, "t", "c", [b"a", b"b", b"c"])
+        client = await Client.connect(nsqd.amqp_addresses[0][1])
+        link = await client.attach(p.RECEIVER, "/topics/t/channels/c")
+        link.flow(2)
+        await client.until(lambda: sum(len(e.deliveries) for e in client.events if isinstance(e, ev.Transfers)) == 2)
+        link.flow(0, echo=True)
+        await client.until(lambda: client.take(ev.LinkFlow, link))
+        assert link.available == 1
+        nsqd.request_shutdown()
+        await client.until(lambda: client.conn.finished)
+        assert client.take(ev.LinkFlow, link) and link.available == 0   # told while the daemon drained
+        (closed,) = client.take(ev.ConnectionClosed)
+        assert closed.error.condition == "amqp:connection:forced"
