@@ -301,7 +301,7 @@ class Daemon:
         self.log_path = self.tmp / "nsqd.log"
         cmd = [sys.executable, "-m", "nsqd", "--tcp-address", f"127.0.0.1:{self.address[1]}",
                "--http-address", f"127.0.0.1:{free_port()}", "--data-path", str(self.tmp / "data"),
-               *extra_args]
+               "--amqp-address=", *extra_args]
         env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
