@@ -28,6 +28,7 @@ beyond the disk queue's buffered calls.
 from __future__ import annotations
 
 import heapq
+import operator
 from collections import deque
 from itertools import count
 from typing import TYPE_CHECKING, Callable, Iterable, Protocol
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
 log = structlog.get_logger("nsqd.channel")
 
 Chunk = tuple[list[bytes], list[bytes]]
+_KIND = operator.itemgetter(slice(4, 8))
+_PLAIN = {message.PLAIN_KIND}
 
 
 class Consumer(Protocol):
@@ -234,7 +237,7 @@ class Channel:
             ids0, frames0 = self._chunks[0]
             self._chunks[0] = (ids0[self._head:], frames0[self._head:])
             self._head = 0
-        self._chunks.appendleft(([message.frame_id(f) for f in frames], frames))
+        self._chunks.appendleft((list(map(message.frame_id_of, frames)), frames))
         self._mem_count += len(frames)
 
     def _wake(self, n: int) -> None:
@@ -324,10 +327,15 @@ class Channel:
         return taken
 
     def _take_disk(self, n: int, pieces: list[Chunk], now_ns: int) -> int:
+        payloads = self.backend.read_many(n)
+        if set(map(_KIND, payloads)) <= _PLAIN:  # all frames as stored: used as they are
+            if payloads:
+                pieces.append((list(map(message.frame_id_of, payloads)), payloads))
+            return len(payloads)
         frames: list[bytes] = []
         plain = message.PLAIN_KIND
-        for payload in self.backend.read_many(n):
-            if payload[4:8] == plain:  # a frame as stored: used as it is
+        for payload in payloads:
+            if payload[4:8] == plain:
                 frames.append(payload)
                 continue
             try:
@@ -344,7 +352,7 @@ class Channel:
             else:
                 frames.append(frame)
         if frames:
-            pieces.append(([message.frame_id(f) for f in frames], frames))
+            pieces.append((list(map(message.frame_id_of, frames)), frames))
         return len(frames)
 
     # ------------------------------------------------------- consumer verbs
@@ -518,7 +526,7 @@ class Channel:
             self._spill(due[max(room, 0):])
             due = due[:max(room, 0)]
         if due:
-            self._chunks.append(([message.frame_id(f) for f in due], due))
+            self._chunks.append((list(map(message.frame_id_of, due)), due))
             self._mem_count += len(due)
         self._wake(self._mem_count)
         return True

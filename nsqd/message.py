@@ -16,6 +16,7 @@ without a break. The second word tells the two apart.
 
 from __future__ import annotations
 
+import operator
 import struct
 
 FRAME_TYPE_RESPONSE = 0
@@ -58,6 +59,10 @@ def encode_error(data: bytes) -> bytes:
 
 def frame_id(frame: bytes) -> bytes:
     return frame[18:34]
+
+
+#: ``frame_id`` as a C-level callable, for ``map`` over many frames
+frame_id_of = operator.itemgetter(slice(18, 34))
 
 
 def frame_attempts(frame: bytes) -> int:

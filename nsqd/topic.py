@@ -253,7 +253,7 @@ class Topic:
             else:
                 frames.append(frame)
         if frames:
-            self._deliver([message.frame_id(f) for f in frames], frames, 0)
+            self._deliver(list(map(message.frame_id_of, frames)), frames, 0)
         return self.backend.depth > 0
 
     # -------------------------------------------------------------- admin
