@@ -1,22 +1,39 @@
-"""Where the daemon's authentication plugs into the gateway's SASL PLAIN.
+"""How AMQP logins are checked.
 
-:func:`authenticate` is the hook: ``serve_amqp`` hands it to every
-connection's SASL server, which calls it with the PLAIN username and
-password. The gateway does not consult the daemon's auth servers
-(``--auth-http-address``) yet, so:
-
-- without auth servers every login is accepted, PLAIN or ANONYMOUS;
-- with auth servers configured the gateway must not be an open back door:
-  ANONYMOUS and connections without SASL are refused, and PLAIN is checked
-  with :func:`refuse` unless a real check is plugged in.
+Without auth servers, SASL PLAIN logins go through :func:`authenticate`
+(``serve_amqp``'s ``authenticate=`` hook), which accepts everything, and
+ANONYMOUS is offered too. With ``--auth-http-address`` the PLAIN password is
+the secret that nsqd's AUTH command carries: :func:`query` asks the auth
+servers as ``nsqd/tcp.py`` does, and the authorizations it returns govern the
+connection's links (see :mod:`gateway`).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import structlog
+
+from nsqd.auth import AuthError, AuthState, query_any
+
+if TYPE_CHECKING:
+    from nsqd.nsqd import NSQD
+
+log = structlog.get_logger("amqp_gateway.auth")
 
 
 def authenticate(username: str, password: str) -> bool:
     return True
 
 
-def refuse(username: str, password: str) -> bool:
-    return False
+async def query(nsqd: NSQD, remote_address: str, secret: str) -> AuthState | None:
+    """The auth servers' answer for ``secret``; None when none approves it (the gateway has no TLS)."""
+    opts = nsqd.options
+    try:
+        return await query_any(
+            opts.auth_http_addresses, remote_ip=remote_address.rsplit(":", 1)[0], tls=False, secret=secret,
+            now=nsqd.now_ns() / 1e9, method=opts.auth_http_request_method,
+            connect_timeout=opts.http_client_connect_timeout, request_timeout=opts.http_client_request_timeout)
+    except AuthError as exc:
+        log.warning("AMQP auth failed", client=remote_address, error=str(exc))
+        return None

@@ -25,7 +25,7 @@ from .codec import DecodeError
 from .errors import (
     DECODE_ERROR, FRAMING_ERROR, ILLEGAL_STATE, NOT_ALLOWED, UNAUTHORIZED_ACCESS, ConnectionFault, SessionFault,
 )
-from .events import ConnectionClosed, ConnectionOpened, SessionBegun, SessionEnded
+from .events import ConnectionClosed, ConnectionOpened, SaslLogin, SessionBegun, SessionEnded
 from .framing import (
     AMQP_HEADER, EMPTY_FRAME, FRAME_HEAD, MIN_MAX_FRAME_SIZE, PROTOCOL_AMQP, PROTOCOL_SASL, SASL_HEADER, TYPE_AMQP,
     TYPE_SASL, FrameReader, Header, encode_frame,
@@ -208,10 +208,12 @@ class Connection:
         sasl = self.sasl
         if isinstance(sasl, SaslServer) and isinstance(frame, SaslInit):
             outcome = sasl.init(frame)
-            self.send_sasl(outcome)
-            if outcome.code != SASL_OK:
-                self._fail(Error(UNAUTHORIZED_ACCESS, "SASL authentication failed"), events, send=False)
-                return
+            if outcome is None:  # the application checks the credentials, maybe with I/O
+                self.reader.paused = True
+                events.append(SaslLogin(*sasl.pending))
+            else:
+                self._sasl_outcome(outcome, events)
+            return
         elif isinstance(sasl, SaslClient) and isinstance(frame, SaslMechanisms):
             init = sasl.init(frame, self.hostname)
             if init is None:
@@ -224,8 +226,25 @@ class Connection:
                 self._fail(Error(UNAUTHORIZED_ACCESS, f"SASL outcome {frame.code}"), events, send=False)
                 return
             self.output.append(AMQP_HEADER)
+            self._sasl_finished()
         else:
             raise ConnectionFault(FRAMING_ERROR, f"unexpected SASL frame {type(frame).__name__}")
+
+    def sasl_verdict(self, ok: bool) -> list:
+        """Server: answer the login of a ``SaslLogin`` event, then read on; returns the events."""
+        events: list = []
+        self.reader.paused = False
+        self._sasl_outcome(self.sasl.verdict(ok), events)
+        return events + self.receive_data(b"")
+
+    def _sasl_outcome(self, outcome: SaslOutcome, events: list) -> None:
+        self.send_sasl(outcome)
+        if outcome.code == SASL_OK:
+            self._sasl_finished()
+        else:
+            self._fail(Error(UNAUTHORIZED_ACCESS, "SASL authentication failed"), events, send=False)
+
+    def _sasl_finished(self) -> None:
         self._sasl_done = True
         self._stage = _AWAIT_HEADER
         self.reader.expect_header = True

@@ -61,6 +61,8 @@ class LinkConsumer:
         self.state = STATE_SUBSCRIBED
         self.connect_ts = now_ns // 1_000_000_000
         self.tls = self.snappy = self.deflate = False
+        self.authed = False
+        self.auth_identity = self.auth_identity_url = ""
         self.sample_rate = 0
         self.pub_counts: dict[str, int] = {}
         self.message_count = 0

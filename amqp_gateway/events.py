@@ -21,6 +21,17 @@ IncomingDelivery = tuple[int, bytes, bool, "bytes | None"]
 
 
 @dataclass(frozen=True, slots=True)
+class SaslLogin:
+    """A PLAIN login awaits the application's check: answer with ``connection.sasl_verdict(ok)``.
+
+    Nothing after the sasl-init is read until then.
+    """
+
+    username: str
+    password: str = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True)
 class ConnectionOpened:
     open: Open
 

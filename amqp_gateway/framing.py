@@ -56,19 +56,23 @@ class FrameReader:
     """Bytes in, ``Header`` or ``(type, channel, body)`` items out.
 
     Set :attr:`expect_header` when the next thing on the wire is a protocol
-    header (at the start and after a SASL exchange). :attr:`max_frame_size`
-    bounds incoming frames; a bigger one is a framing error.
+    header (at the start and after a SASL exchange). Set :attr:`paused` while
+    what follows cannot be read yet (a SASL outcome is being decided, and
+    whether a header comes next depends on it): the rest is kept for the next
+    :meth:`feed`. :attr:`max_frame_size` bounds incoming frames; a bigger one
+    is a framing error.
     """
 
     def __init__(self, max_frame_size: int = MIN_MAX_FRAME_SIZE) -> None:
         self.max_frame_size = max_frame_size
         self.expect_header = True
+        self.paused = False
         self._partial = bytearray()
         self._need = 0
 
     def feed(self, data: bytes) -> Iterator[Header | tuple[int, int, bytes]]:
         """Every complete item in what has arrived so far (a generator: it
-        reads :attr:`expect_header` afresh before each item)."""
+        reads :attr:`expect_header` and :attr:`paused` afresh before each item)."""
         if self._partial:
             self._partial += data
             if len(self._partial) < self._need:
@@ -79,6 +83,9 @@ class FrameReader:
         end = len(data)
         unpack = FRAME_HEAD.unpack_from
         while pos < end:
+            if self.paused:
+                self._keep(data, pos, 8)
+                return
             if self.expect_header:
                 if end - pos < 8:
                     self._keep(data, pos, 8)

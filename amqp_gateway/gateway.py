@@ -8,6 +8,14 @@ and writes ``engine.output``. Links become :class:`~consumer.LinkConsumer`
 a link we cannot serve is refused (attach with a null node, then detach
 with the error) and the rest of the connection carries on.
 
+With auth servers a connection logs in with SASL PLAIN, the password being
+the secret: the engine's ``SaslLogin`` sets :attr:`~GatewayConnection.auth_pending`,
+the I/O layer asks the auth servers and hands the answer to
+:meth:`~GatewayConnection.auth_done`. As nsqd does for SUB and PUB, every
+attach and every publish is checked against the authorizations, and an
+expired authorization is first asked for again: the event that found it
+expired, and the events after it, wait for the answer.
+
 The connection is also the daemon's record of an AMQP producer: it is added
 to ``nsqd.clients`` with ``pub_counts``, so ``/stats`` lists it among the
 producers as it lists NSQ publishers.
@@ -15,6 +23,7 @@ producers as it lists NSQ publishers.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import TYPE_CHECKING
 
 import structlog
@@ -27,30 +36,42 @@ from . import events as ev
 from .addresses import channel_address, topic_address
 from .connection import Connection
 from .consumer import LinkConsumer
-from .errors import INVALID_FIELD, NOT_IMPLEMENTED, RESOURCE_DELETED, RESOURCE_LIMIT_EXCEEDED, LinkRefused
+from .errors import (
+    INVALID_FIELD, NOT_IMPLEMENTED, RESOURCE_DELETED, RESOURCE_LIMIT_EXCEEDED, UNAUTHORIZED_ACCESS, LinkRefused,
+)
 from .link import Link
 from .performatives import RCV_FIRST, RCV_SECOND, SND_SETTLED, SND_UNSETTLED, Error, Source, Target
 from .publisher import LinkPublisher
 from .sasl import Authenticate, SaslServer
 
 if TYPE_CHECKING:
+    from nsqd.auth import AuthState
     from nsqd.nsqd import NSQD
 
 log = structlog.get_logger("amqp_gateway")
 
 CONTAINER_ID = "nsqd"
 _OUTCOMES = ("amqp:accepted:list", "amqp:rejected:list", "amqp:released:list", "amqp:modified:list")
+#: events that use the authorizations: attach and publish
+_AUTHORIZED = (ev.LinkAttaching, ev.Transfers)
 
 
 class GatewayConnection:
     def __init__(self, nsqd: NSQD, remote_address: str, *, authenticate: Authenticate,
                  idle_timeout: float | None) -> None:
         self.nsqd = nsqd
-        auth_required = bool(nsqd.options.auth_http_addresses)
-        self.engine = Connection(client=False, container_id=CONTAINER_ID,
-                                 sasl=SaslServer(authenticate, anonymous=not auth_required),
-                                 sasl_required=auth_required, idle_timeout=idle_timeout,
+        #: with auth servers, PLAIN logins wait for them (``authenticate`` is not asked) and nothing else gets in
+        self.auth_enabled = bool(nsqd.options.auth_http_addresses)
+        sasl = SaslServer(None if self.auth_enabled else authenticate, anonymous=not self.auth_enabled)
+        self.engine = Connection(client=False, container_id=CONTAINER_ID, sasl=sasl,
+                                 sasl_required=self.auth_enabled, idle_timeout=idle_timeout,
                                  properties={"product": "nsqd-trio", "version": NSQD_VERSION})
+        #: the SASL PLAIN password: the secret the auth servers are asked about
+        self.auth_secret = ""
+        self.auth_state: AuthState | None = None
+        #: the I/O layer must ask the auth servers about :attr:`auth_secret`, then call :meth:`auth_done`
+        self.auth_pending = False
+        self._held: deque = deque()
         self.consumers: dict[Link, LinkConsumer] = {}
         self.publishers: dict[Link, LinkPublisher] = {}
         #: set by the I/O layer: wake the writer (messages arrived, a link must be detached)
@@ -64,6 +85,8 @@ class GatewayConnection:
         self.connect_ts = nsqd.now_ns() // 1_000_000_000
         self.pub_counts: dict[str, int] = {}
         self.channel = None
+        self.authed = False
+        self.auth_identity = self.auth_identity_url = ""
         nsqd.add_client(self)
 
     @property
@@ -73,15 +96,48 @@ class GatewayConnection:
 
     # ----------------------------------------------------------------- input
     def receive_data(self, data: bytes, now_ns: int) -> None:
-        for event in self.engine.receive_data(data):
-            self.handle(event, now_ns)
+        self._held.extend(self.engine.receive_data(data))
+        self._run(now_ns)
+
+    def _run(self, now_ns: int) -> None:
+        """Handle events in order until one needs the auth servers."""
+        held = self._held
+        while held and not self.auth_pending:
+            event = held.popleft()
+            state = self.auth_state
+            if state is not None and type(event) in _AUTHORIZED and state.is_expired(now_ns / 1e9):
+                held.appendleft(event)
+                self.auth_pending = True
+            else:
+                self.handle(event, now_ns)
+
+    def auth_done(self, state: AuthState | None, now_ns: int) -> None:
+        """The auth servers' answer for :attr:`auth_secret` (None: refused, or none answered).
+
+        Without authorizations a client can do nothing, so that fails too (nsqd closes such a connection).
+        """
+        self.auth_pending = False
+        ok = state is not None and bool(state.authorizations)
+        login = self.auth_state is None
+        if ok:
+            self.auth_state = state
+            self.authed = True
+            self.auth_identity, self.auth_identity_url = state.identity, state.identity_url
+        if login:
+            self._held.extend(self.engine.sasl_verdict(ok))
+        elif not ok:
+            self._held.clear()
+            log.warning("AMQP authorization expired and was not renewed", client=self.remote_address)
+            self.engine.close(Error(UNAUTHORIZED_ACCESS, "the authorization expired and was not renewed"))
+            return
+        self._run(now_ns)
 
     def handle(self, event, now_ns: int) -> None:
         kind = type(event)
         if kind is ev.Transfers:
             publisher = self.publishers.get(event.link)
             if publisher is not None:
-                publisher.publish(event.deliveries, now_ns)
+                self._publish(publisher, event.deliveries, now_ns)
         elif kind is ev.Settled:
             consumer = self.consumers.get(event.link)
             if consumer is not None:
@@ -98,6 +154,9 @@ class GatewayConnection:
         elif kind is ev.SessionEnded:
             for link in [link for link in (*self.consumers, *self.publishers) if link.session is event.session]:
                 self._forget(link)
+        elif kind is ev.SaslLogin:
+            self.auth_secret = event.password
+            self.auth_pending = True
         elif kind is ev.ConnectionOpened:
             self.user_agent = f"amqp/{event.open.container_id}"
             log.info("AMQP client connected", client=self.remote_address, container=event.open.container_id)
@@ -114,6 +173,17 @@ class GatewayConnection:
             self.on_wake()
         elif event.echo:
             event.link.send_flow()
+
+    def _publish(self, publisher: LinkPublisher, deliveries: list[ev.IncomingDelivery], now_ns: int) -> None:
+        if self._allows(publisher.topic_name):
+            publisher.publish(deliveries, now_ns)
+            return
+        # renewed authorizations that no longer cover the topic: the link goes, unsettled
+        error = Error(UNAUTHORIZED_ACCESS, f"not authorized to publish to {publisher.topic_name}")
+        log.warning("link detached", client=self.remote_address, link=publisher.link.name, error=error.condition,
+                    description=error.description)
+        self._forget(publisher.link)
+        publisher.link.detach(error)
 
     # ----------------------------------------------------------------- links
     def _attach(self, link: Link, now_ns: int) -> None:
@@ -136,6 +206,8 @@ class GatewayConnection:
         if not isinstance(source, Source) or source.dynamic:
             raise LinkRefused(INVALID_FIELD, "consuming needs a source address /topics/<topic>/channels/<channel>")
         topic_name, channel_name = channel_address(source.address)
+        if not self._allows(topic_name, channel_name):
+            raise LinkRefused(UNAUTHORIZED_ACCESS, f"not authorized to subscribe to {topic_name}/{channel_name}")
         nsqd = self.nsqd
         try:
             channel = nsqd.get_topic(topic_name).get_channel(channel_name)
@@ -148,6 +220,8 @@ class GatewayConnection:
                                 remote_address=self.remote_address,
                                 msg_timeout_ns=int(nsqd.options.msg_timeout * 1e9), now_ns=now_ns,
                                 on_wake=self._wake)
+        consumer.authed, consumer.auth_identity, consumer.auth_identity_url = (
+            self.authed, self.auth_identity, self.auth_identity_url)
         try:
             channel.add_consumer(consumer.id, consumer, nsqd.options.max_channel_consumers)
         except ChannelExiting as exc:
@@ -166,6 +240,8 @@ class GatewayConnection:
         if not isinstance(target, Target) or target.dynamic:
             raise LinkRefused(INVALID_FIELD, "publishing needs a target address /topics/<topic>")
         topic_name = topic_address(target.address)
+        if not self._allows(topic_name):
+            raise LinkRefused(UNAUTHORIZED_ACCESS, f"not authorized to publish to {topic_name}")
         try:
             self.nsqd.get_topic(topic_name)
         except (ChannelExiting, RuntimeError) as exc:
@@ -176,6 +252,10 @@ class GatewayConnection:
                     rcv_settle_mode=RCV_FIRST)
         publisher.grant()
         log.info("AMQP publisher attached", client=self.remote_address, link=link.name, topic=topic_name)
+
+    def _allows(self, topic: str, channel: str = "") -> bool:
+        """nsqd's rule: publishing needs ``publish`` on the topic, consuming ``subscribe`` on topic and channel."""
+        return not self.auth_enabled or self.auth_state.allows(topic, channel)
 
     def _forget(self, link: Link) -> None:
         consumer = self.consumers.pop(link, None)

@@ -1,9 +1,12 @@
 """SASL (spec 5.3): the server offers PLAIN and (unless told not to) ANONYMOUS.
 
 The server checks PLAIN credentials with the ``authenticate(username,
-password) -> bool`` callable it is given (the daemon's auth plugs in there);
-ANONYMOUS, when offered, always succeeds. Both sides are plain objects that map one SASL
-frame to the answer; the connection engine moves them on the wire.
+password) -> bool`` callable it is given, or, without one, leaves them in
+:attr:`SaslServer.pending` for the application, whose check may need I/O
+(the connection engine reports a ``SaslLogin`` event and waits for the
+verdict). ANONYMOUS, when offered, always succeeds. Both sides are plain
+objects that map one SASL frame to the answer; the connection engine moves
+them on the wire.
 """
 
 from __future__ import annotations
@@ -19,25 +22,39 @@ Authenticate = Callable[[str, str], bool]
 
 
 class SaslServer:
-    def __init__(self, authenticate: Authenticate, anonymous: bool = True) -> None:
+    def __init__(self, authenticate: Authenticate | None = None, anonymous: bool = True) -> None:
         self.authenticate = authenticate
         self.mechanisms = (PLAIN, ANONYMOUS) if anonymous else (PLAIN,)
         #: who the peer authenticated as ("" for ANONYMOUS), once it succeeded
         self.identity: str | None = None
+        #: PLAIN (username, password) waiting for :meth:`verdict`
+        self.pending: tuple[str, str] | None = None
 
     def offer(self) -> SaslMechanisms:
         return SaslMechanisms(self.mechanisms)
 
-    def init(self, frame: SaslInit) -> SaslOutcome:
+    def init(self, frame: SaslInit) -> SaslOutcome | None:
+        """Our outcome, or None when the credentials in :attr:`pending` await the application."""
         if frame.mechanism == ANONYMOUS and ANONYMOUS in self.mechanisms:
             self.identity = ""
             return SaslOutcome(SASL_OK)
         if frame.mechanism == PLAIN:
             credentials = _parse_plain(frame.initial_response or b"")
-            if credentials is not None and self.authenticate(*credentials):
-                self.identity = credentials[0]
-                return SaslOutcome(SASL_OK)
+            if credentials is not None:
+                self.pending = credentials
+                if self.authenticate is None:
+                    return None
+                return self.verdict(self.authenticate(*credentials))
         return SaslOutcome(SASL_AUTH)
+
+    def verdict(self, ok: bool) -> SaslOutcome:
+        """The outcome for the :attr:`pending` credentials."""
+        username, _ = self.pending
+        self.pending = None
+        if not ok:
+            return SaslOutcome(SASL_AUTH)
+        self.identity = username
+        return SaslOutcome(SASL_OK)
 
 
 def _parse_plain(response: bytes) -> tuple[str, str] | None:

@@ -1,15 +1,17 @@
 """The AMQP listener and the per-connection I/O driver (Trio).
 
 Per connection two tasks share one nursery, as in ``nsqd/tcp.py``: the
-reader receives up to 256 KiB, feeds the gateway (engine and daemon calls)
-and writes what that produced; the pump sleeps until a channel wakes a
-consuming link, a heartbeat is due or a publishing link starved by a full
-topic should look again (every ``POLL_INTERVAL``). Whichever task writes
-first fills one batch per consuming link and sends everything pending with
-one ``send_all``, round after round until nothing is left; the other never
-waits for a lock: the pump leaves writing to the active writer (which
-refills before it stops), the reader waits for it before reading more, so a
-client that does not read back-pressures only itself.
+reader receives up to 256 KiB, feeds the gateway (engine and daemon calls),
+asks the auth servers when the gateway needs them (a login, an expired
+authorization; it reads nothing more meanwhile) and writes what that
+produced; the pump sleeps until a channel wakes a consuming link, a
+heartbeat is due or a publishing link starved by a full topic should look
+again (every ``POLL_INTERVAL``). Whichever task writes first fills one batch
+per consuming link and sends everything pending with one ``send_all``, round
+after round until nothing is left; the other never waits for a lock: the
+pump leaves writing to the active writer (which refills before it stops),
+the reader waits for it before reading more, so a client that does not read
+back-pressures only itself.
 
 Timers: we announce ``idle_timeout`` in our open and close a connection
 that sends nothing for that long (``amqp:resource-limit-exceeded``); we send
@@ -51,18 +53,15 @@ LINGER = 1.0
 
 
 async def serve_amqp(nsqd: NSQD, address: str, *, idle_timeout: float = IDLE_TIMEOUT,
-                     authenticate: Authenticate | None = None,
+                     authenticate: Authenticate = auth.authenticate,
                      task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Listen on ``address`` (port 0 picks one) and serve AMQP connections until cancelled.
 
     ``authenticate(username, password) -> bool`` checks SASL PLAIN logins
-    (default: see :mod:`auth`). ``task_status.started`` gets the list of
-    bound ``(host, port)`` pairs.
+    when the daemon has no auth servers (with them, they decide: see
+    :mod:`auth`). ``task_status.started`` gets the list of bound ``(host,
+    port)`` pairs.
     """
-    if authenticate is None:
-        authenticate = auth.refuse if nsqd.options.auth_http_addresses else auth.authenticate
-        if nsqd.options.auth_http_addresses:
-            log.warning("the AMQP gateway does not ask the auth servers yet: it refuses every login")
     host, port = split_host_port(address)
     listeners = await trio.open_tcp_listeners(port, host=host or None)
     addresses = [listener.socket.getsockname()[:2] for listener in listeners]
@@ -154,6 +153,10 @@ class Driver:
             if not data:
                 return
             gateway.receive_data(data, self.nsqd.now_ns())
+            while gateway.auth_pending:
+                await self._flush(wait=True)  # answers to what came before need not wait for the auth servers
+                state = await auth.query(self.nsqd, gateway.remote_address, gateway.auth_secret)
+                gateway.auth_done(state, self.nsqd.now_ns())
             if engine.peer_idle_timeout and not self._heartbeats:
                 self._heartbeats = True
                 self._lot.unpark_all()  # the pump learns the peer's heartbeat interval
