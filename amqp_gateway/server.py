@@ -34,6 +34,7 @@ import structlog
 import trio
 
 from nsqd.options import split_host_port
+from nsqd.tcp import peer_address
 
 from . import auth
 from .errors import CONNECTION_FORCED
@@ -88,7 +89,7 @@ async def _accept_loop(nsqd: NSQD, listener: trio.SocketListener, handlers: trio
 async def handle_connection(nsqd: NSQD, stream: trio.SocketStream, idle_timeout: float,
                             authenticate: Authenticate) -> None:
     """Serve one connection; whatever goes wrong stays inside this connection."""
-    remote = _peer(stream)
+    remote = peer_address(stream)
     gateway = GatewayConnection(nsqd, remote, authenticate=authenticate, idle_timeout=idle_timeout)
     driver = Driver(nsqd, stream, gateway, idle_timeout)
     try:
@@ -103,14 +104,6 @@ async def handle_connection(nsqd: NSQD, stream: trio.SocketStream, idle_timeout:
             with trio.move_on_after(1):
                 await driver.say_goodbye()
                 await stream.aclose()
-
-
-def _peer(stream: trio.SocketStream) -> str:
-    try:
-        host, port = stream.socket.getpeername()[:2]
-        return f"{host}:{port}"
-    except (OSError, ValueError):
-        return "unknown"
 
 
 class Driver:

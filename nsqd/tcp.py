@@ -63,7 +63,7 @@ async def _accept_loop(nsqd: NSQD, listener: trio.SocketListener, handlers: trio
 
 async def handle_connection(nsqd: NSQD, stream: trio.SocketStream) -> None:
     """Serve one connection; whatever goes wrong stays inside this connection."""
-    remote = _peer(stream)
+    remote = peer_address(stream)
     try:
         await _serve(nsqd, stream, remote)
     except* (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, ConnectionError,
@@ -106,7 +106,8 @@ async def _receive_exactly(stream: trio.SocketStream, n: int) -> bytes | None:
     return data
 
 
-def _peer(stream: trio.SocketStream) -> str:
+def peer_address(stream: trio.SocketStream) -> str:
+    """``host:port`` of the other end, for logs and stats."""
     try:
         host, port = stream.socket.getpeername()[:2]
         return f"{host}:{port}"
