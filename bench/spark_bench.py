@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""Rows per second through the nsq source and sink of PySpark, in local mode.
+
+Two phases against one daemon (``--spawn`` starts one on free ports with a
+fresh data dir), after a warm-up that runs both with ``--warm-up`` rows (the
+first job of a session pays for JIT compilation and Python worker start-up,
+which a long-running pipeline pays once):
+
+* ``sink``    a DataFrame of ``--rows`` rows with ``--size``-byte bodies in
+              ``--partitions`` partitions is written to a topic with
+              ``df.write.format("nsq")``; rows/s is rows over the write's wall time.
+* ``source``  the topic that ``sink`` filled is read by a streaming query with
+              ``Trigger.AvailableNow`` into Parquet with a checkpoint (the
+              pipeline a user runs); rows/s is rows over the query's wall time
+              from ``start()`` to its end, and also over the batches alone
+              (Spark's progress reports: what a long-running query sustains).
+
+Result lines have a fixed shape::
+
+    sink publish: 123456 rows/s over 8.10 s [2000000 rows, 200 B, 2 partitions]
+    source parquet: 123456 rows/s over 8.10 s, 140000 rows/s in batches [2000000 rows, 4 batches]
+    machine: 2 cpus, load average 1.2 before the phases, 2.3 after
+
+A load average well above the daemon's and Spark's own share means other
+processes competed for the CPUs and the figures are low.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_daemon(data: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "nsqd", f"--tcp-address=127.0.0.1:{port}", "--http-address=",
+                             "--amqp-address=", f"--data-path={data}", "--log-level=warn", *extra], cwd=REPO)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc, f"127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise SystemExit("the daemon did not start")
+
+
+def session(partitions: int):
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    from pyspark.sql import SparkSession
+
+    import nsq_spark
+
+    spark = (SparkSession.builder.master(f"local[{partitions}]").appName("nsq-spark-bench")
+             .config("spark.sql.shuffle.partitions", str(partitions))
+             .config("spark.ui.enabled", "false")
+             .config("spark.ui.showConsoleProgress", "false")
+             .getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    nsq_spark.register(spark)
+    return spark
+
+
+def bench_sink(spark, addr: str, topic: str, rows: int, size: int, partitions: int) -> None:
+    pad = "x" * (size - 12)
+    df = spark.range(0, rows, numPartitions=partitions) \
+        .selectExpr(f"concat(lpad(CAST(id AS STRING), 12, '0'), '{pad}') AS body").cache()
+    df.count()  # build the rows first: the phase measures publishing
+    started = time.monotonic()
+    df.write.format("nsq").option("nsqd.address", addr).option("topic", topic).mode("append").save()
+    elapsed = time.monotonic() - started
+    df.unpersist()
+    print(f"sink publish: {rows / elapsed:.0f} rows/s over {elapsed:.2f} s "
+          f"[{rows} rows, {size} B, {partitions} partitions]", flush=True)
+
+
+def bench_source(spark, addr: str, topic: str, rows: int, partitions: int, work: Path, options: dict) -> None:
+    reader = spark.readStream.format("nsq").option("nsqd.address", addr).option("topic", topic) \
+        .option("channel", "bench").option("numPartitions", partitions)
+    for key, value in options.items():
+        reader = reader.option(key, value)
+    started = time.monotonic()
+    query = reader.load().writeStream.format("parquet").option("path", str(work / "out")) \
+        .option("checkpointLocation", str(work / "ck")).trigger(availableNow=True).start()
+    query.awaitTermination()
+    elapsed = time.monotonic() - started
+    progress = [p for p in query.recentProgress if p["numInputRows"]]
+    in_batches = sum(p["numInputRows"] for p in progress)
+    batch_seconds = sum(p["durationMs"]["triggerExecution"] for p in progress) / 1000
+    written = spark.read.parquet(str(work / "out")).count()
+    print(f"source parquet: {written / elapsed:.0f} rows/s over {elapsed:.2f} s, "
+          f"{in_batches / batch_seconds:.0f} rows/s in batches [{written} rows, {len(progress)} batches]",
+          flush=True)
+    if written != rows:
+        raise SystemExit(f"source wrote {written} rows, expected {rows}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nsqd-tcp-address", help="an nsqd to use instead of --spawn")
+    parser.add_argument("--spawn", action="store_true", help="start a daemon on free ports with a fresh data dir")
+    parser.add_argument("--nsqd-args", default="", help="extra daemon flags with --spawn")
+    parser.add_argument("--rows", type=int, default=2_000_000)
+    parser.add_argument("--size", type=int, default=200, help="body bytes")
+    parser.add_argument("--partitions", type=int, default=2)
+    parser.add_argument("--topic", default="spark_bench")
+    parser.add_argument("--warm-up", type=int, default=50_000,
+                        help="rows sent through both phases first, so the JVM and Python workers are warm (0: none)")
+    parser.add_argument("--max-in-flight", default="2500", help="source option maxInFlight")
+    parser.add_argument("--max-per-trigger", default="500000", help="source option maxMessagesPerTrigger")
+    parser.add_argument("--max-trigger-delay", default="30s", help="source option maxTriggerDelay")
+    args = parser.parse_args()
+    if not args.spawn and not args.nsqd_tcp_address:
+        parser.error("give --spawn or --nsqd-tcp-address")
+
+    work = Path(tempfile.mkdtemp(prefix="spark_bench_"))
+    daemon = None
+    try:
+        if args.spawn:
+            daemon, addr = spawn_daemon(work / "nsqd", args.nsqd_args.split())
+        else:
+            addr = args.nsqd_tcp_address
+        spark = session(args.partitions)
+        options = {"maxInFlight": args.max_in_flight, "maxMessagesPerTrigger": args.max_per_trigger,
+                   "maxTriggerDelay": args.max_trigger_delay}
+        if args.warm_up:
+            print(f"warm-up: {args.warm_up} rows through the sink and the source", flush=True)
+            bench_sink(spark, addr, f"{args.topic}_warm", args.warm_up, args.size, args.partitions)
+            bench_source(spark, addr, f"{args.topic}_warm", args.warm_up, args.partitions, work / "warm", options)
+        load = os.getloadavg()[0]
+        bench_sink(spark, addr, args.topic, args.rows, args.size, args.partitions)
+        bench_source(spark, addr, args.topic, args.rows, args.partitions, work, options)
+        print(f"machine: {os.cpu_count()} cpus, load average {load:.1f} before the phases, "
+              f"{os.getloadavg()[0]:.1f} after", flush=True)
+        spark.stop()
+    finally:
+        if daemon is not None:
+            daemon.send_signal(signal.SIGTERM)
+            daemon.wait(60)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

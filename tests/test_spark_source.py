@@ -1,0 +1,172 @@
+"""The nsq streaming and batch source, in real PySpark (local mode) against the real daemon."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from .test_spark_support import (REPO, address, consume, daemon, json_bodies, parquet_rows, publish, spark,  # noqa: F401
+                                 wait_for)
+
+pytestmark = pytest.mark.slow
+
+
+def stream_to_parquet(spark, addr, topic, out, checkpoint, **options):
+    reader = spark.readStream.format("nsq").option("nsqd.address", addr).option("topic", topic) \
+        .option("channel", "spark")
+    for key, value in options.items():
+        reader = reader.option(key, str(value))
+    return reader.load().writeStream.format("parquet").option("path", str(out)) \
+        .option("checkpointLocation", str(checkpoint)).start()
+
+
+def committed(spark, out):
+    rows = spark.read.parquet(str(out)).select("id", "attempts", "body").collect()
+    return [r.id for r in rows], rows
+
+
+def test_stream_of_n_messages_ends_in_parquet_with_n_distinct_ids(spark, daemon, tmp_path):
+    addr = address(daemon)
+    publish(addr, "s1", json_bodies(0, 3000))
+    query = stream_to_parquet(spark, addr, "s1", tmp_path / "out", tmp_path / "ck",
+                              numPartitions=2, maxMessagesPerTrigger=1000, maxInFlight=300)
+    try:
+        assert wait_for(lambda: parquet_rows(spark, tmp_path / "out") >= 3000, 90)
+        publish(addr, "s1", json_bodies(3000, 3500))  # while the query runs
+        assert wait_for(lambda: parquet_rows(spark, tmp_path / "out") >= 3500, 60)
+    finally:
+        query.stop()
+    ids, rows = committed(spark, tmp_path / "out")
+    assert len(ids) == len(set(ids)) == 3500
+    assert sorted(json.loads(r.body)["i"] for r in rows) == list(range(3500))
+    assert {r.attempts for r in rows} == {1}
+    assert consume(addr, "s1", "spark", idle=0.5) == []  # nothing left over, nothing redelivered
+
+
+def test_graceful_stop_and_restart_from_checkpoint_has_no_duplicates(spark, daemon, tmp_path):
+    addr = address(daemon)
+    out, ck = tmp_path / "out", tmp_path / "ck"
+    publish(addr, "s2", json_bodies(0, 1500))
+    query = stream_to_parquet(spark, addr, "s2", out, ck, numPartitions=2, maxMessagesPerTrigger=500)
+    assert wait_for(lambda: parquet_rows(spark, out) >= 1500, 90)
+    query.stop()  # the last batch's commit never comes: the next run acknowledges it
+    publish(addr, "s2", json_bodies(1500, 2000))
+    query = stream_to_parquet(spark, addr, "s2", out, ck, numPartitions=2, maxMessagesPerTrigger=500)
+    try:
+        assert wait_for(lambda: parquet_rows(spark, out) >= 2000, 90)
+        time.sleep(1)  # a duplicate would show up within the next batches
+    finally:
+        query.stop()
+    ids, rows = committed(spark, out)
+    assert len(ids) == len(set(ids)) == 2000
+    assert {r.attempts for r in rows} == {1}
+
+
+def test_available_now_reads_the_backlog_and_finishes_its_last_batch(spark, daemon, tmp_path):
+    addr = address(daemon)
+    publish(addr, "s5", json_bodies(0, 1000))
+    reader = spark.readStream.format("nsq").option("nsqd.address", addr).option("topic", "s5") \
+        .option("channel", "spark").option("numPartitions", 2).option("maxMessagesPerTrigger", 400) \
+        .option("msgTimeoutMs", 2000)
+    query = reader.load().writeStream.format("parquet").option("path", str(tmp_path / "out")) \
+        .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start()
+    assert query.awaitTermination(90)
+    ids, _ = committed(spark, tmp_path / "out")
+    assert len(ids) == len(set(ids)) == 1000
+    time.sleep(2.5)  # an unfinished lease would have expired by now, and its messages would come again
+    publish(addr, "s5", [b"after"])
+    assert [body for _, _, body in consume(addr, "s5", "spark", idle=0.5)] == [b"after"]
+
+
+def run_child(addr, topic, out, checkpoint, expect, options, stall="", marker=""):
+    """The query in a child process (and its JVM in the same process group, so a kill takes both)."""
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "test_spark_support.py"), "--address", addr, "--topic", topic,
+         "--channel", "spark", "--out", str(out), "--checkpoint", str(checkpoint), "--expect", str(expect),
+         "--options", json.dumps(options), "--stall", stall, "--marker", str(marker)],
+        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def kill_mid_batch(addr, topic, tmp_path, total, options):
+    """Start the query, let it hang inside a batch on a marked message, SIGKILL its process group."""
+    bodies = json_bodies(0, total)
+    stall = bodies[total * 2 // 3].decode()
+    publish(addr, topic, bodies)
+    marker = tmp_path / "stalled"
+    child = run_child(addr, topic, tmp_path / "out", tmp_path / "ck", total, options, stall, marker)
+    try:
+        assert wait_for(lambda: marker.exists() or child.poll() is not None, 120, 0.1) and marker.exists(), \
+            child.stderr.read().decode()[-3000:]
+        offsets = {p.name for p in (tmp_path / "ck" / "offsets").iterdir() if p.name.isdigit()}
+        commits = {p.name for p in (tmp_path / "ck" / "commits").iterdir() if p.name.isdigit()}
+        assert offsets - commits, "the kill must come in the middle of a batch"
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+    return offsets - commits
+
+
+def restart(addr, topic, tmp_path, total, options):
+    child = run_child(addr, topic, tmp_path / "out", tmp_path / "ck", total, options)
+    _, err = child.communicate(timeout=180)
+    assert child.returncode == 0, err.decode()[-3000:]
+
+
+def test_sigkill_mid_batch_then_restart_within_the_lease_timeout_is_exactly_once(spark, daemon, tmp_path):
+    addr = address(daemon)
+    options = {"numPartitions": 2, "maxMessagesPerTrigger": 600, "maxInFlight": 200, "msgTimeoutMs": 60000}
+    kill_mid_batch(addr, "s3", tmp_path, 3000, options)
+    restart(addr, "s3", tmp_path, 3000, options)
+    ids, rows = committed(spark, tmp_path / "out")
+    assert len(ids) == len(set(ids)) == 3000  # the interrupted batch was replayed with the same messages
+    assert {r.attempts for r in rows} == {1}  # and nothing was redelivered by a timeout
+    assert consume(addr, "s3", "spark", idle=0.5) == []
+
+
+def test_sigkill_then_restart_past_the_lease_timeout_loses_nothing(spark, daemon, tmp_path):
+    addr = address(daemon)
+    options = {"numPartitions": 2, "maxMessagesPerTrigger": 600, "maxInFlight": 200, "msgTimeoutMs": 1000}
+    kill_mid_batch(addr, "s4", tmp_path, 2000, options)
+    time.sleep(2.5)  # the batch's leases expire: their messages are queued again
+    restart(addr, "s4", tmp_path, 2000, options)
+    ids, rows = committed(spark, tmp_path / "out")
+    assert set(ids) == {r.id for r in rows} and len(set(ids)) == 2000  # duplicates are allowed, loss is not
+    assert max(r.attempts for r in rows) >= 2
+    assert consume(addr, "s4", "spark", idle=0.5) == []
+
+
+def test_batch_read_drains_what_is_there_up_to_a_limit(spark, daemon):
+    addr = address(daemon)
+    publish(addr, "b1", json_bodies(0, 1200))
+
+    def read(**options):
+        reader = spark.read.format("nsq").option("nsqd.address", addr).option("topic", "b1") \
+            .option("channel", "batch").option("numPartitions", "2")
+        for key, value in options.items():
+            reader = reader.option(key, str(value))
+        return reader.load()
+
+    first = read(maxMessagesPerTrigger=1000, maxInFlight=300).select("id", "body", "topic", "channel").collect()
+    assert len(first) == 1000 and {(r.topic, r.channel) for r in first} == {("b1", "batch")}
+    rest = read().collect()
+    assert len(rest) == 200
+    assert sorted(json.loads(r.body)["i"] for r in first + rest) == list(range(1200))
+    assert read().count() == 0
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("maxMessagePerTrigger", "10", "unknown option 'maxmessagepertrigger'"),
+    ("numPartitions", "zero", "option 'numPartitions' must be an integer"),
+    ("maxTriggerDelay", "soon", "option 'maxTriggerDelay' must be a duration"),
+])
+def test_bad_options_are_errors_naming_the_option(spark, daemon, option, value, message):
+    reader = spark.readStream.format("nsq").option("nsqd.address", address(daemon)).option("topic", "x") \
+        .option("channel", "c").option(option, value)
+    with pytest.raises(Exception, match=message):
+        reader.load().writeStream.format("console").start().awaitTermination(30)
