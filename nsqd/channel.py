@@ -120,6 +120,8 @@ class Channel:
         self._chunks: deque[Chunk] = deque()
         self._head = 0
         self._mem_count = 0
+        #: bytes of the frames in memory, kept with ``_mem_count`` by the same code
+        self._mem_bytes = 0
         self._deferred: list[tuple[int, int, bytes]] = []
         self._seq = count()
         self._hungry: dict[Consumer, None] = {}
@@ -132,6 +134,7 @@ class Channel:
         self.e2e: LatencyWindow | None = None
         # policies beyond nsqd (0 = off): set by the topic, changed over HTTP
         self.max_messages = 0
+        self.max_bytes = 0
         self.max_attempts = 0
         self.ttl_ns = 0
         #: where messages that must not be delivered again go (None: dropped)
@@ -157,6 +160,11 @@ class Channel:
     @property
     def depth(self) -> int:
         return self._mem_count + self.backend_depth
+
+    @property
+    def depth_bytes(self) -> int:
+        """Bytes queued in memory (frames) and on disk (records), for byte limits."""
+        return self._mem_bytes + (self.backend.depth_bytes if self.backend is not None else 0)
 
     @property
     def in_flight_count(self) -> int:
@@ -204,10 +212,12 @@ class Channel:
         if n <= room:
             self._chunks.append((ids, frames))
             self._mem_count += n
+            self._mem_bytes += sum(map(len, frames))
         else:
             if room > 0:
                 self._chunks.append((ids[:room], frames[:room]))
                 self._mem_count += room
+                self._mem_bytes += sum(map(len, frames[:room]))
                 frames = frames[room:]
             self._spill(frames)
         self._wake(n)
@@ -239,6 +249,7 @@ class Channel:
             self._head = 0
         self._chunks.appendleft((list(map(message.frame_id_of, frames)), frames))
         self._mem_count += len(frames)
+        self._mem_bytes += sum(map(len, frames))
 
     def _wake(self, n: int) -> None:
         hungry = self._hungry
@@ -323,6 +334,7 @@ class Channel:
                 self._head = end
             pieces.append((ids, frames))
             taken += len(ids)
+            self._mem_bytes -= sum(map(len, frames))
         self._mem_count -= taken
         return taken
 
@@ -528,6 +540,7 @@ class Channel:
         if due:
             self._chunks.append((list(map(message.frame_id_of, due)), due))
             self._mem_count += len(due)
+            self._mem_bytes += sum(map(len, due))
         self._wake(self._mem_count)
         return True
 
@@ -543,7 +556,7 @@ class Channel:
         """Drop every queued, deferred and in-flight message (as nsqd's Empty)."""
         self._chunks.clear()
         self._head = 0
-        self._mem_count = 0
+        self._mem_count = self._mem_bytes = 0
         self._deferred.clear()
         for consumer in self.consumers.values():
             consumer.in_flight.map.clear()
@@ -578,7 +591,7 @@ class Channel:
         for due_ns, _, frame in sorted(self._deferred):
             yield message.to_disk(frame, due_ns=due_ns, failed=failed.get(message.frame_id(frame), 0))
         self._chunks.clear()
-        self._head = self._mem_count = 0
+        self._head = self._mem_count = self._mem_bytes = 0
         self._deferred.clear()
         self.leases.clear()
         self.failed.clear()

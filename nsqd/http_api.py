@@ -498,7 +498,8 @@ class HTTPAPI:
         if name is None:
             raise HTTPError(400, "MISSING_ARG_TOPIC")
         topic = self._existing_topic(name)
-        policy = _policy_args(query, ("max_messages", "channel_max_messages", "max_attempts", "message_ttl_ms"))
+        policy = _policy_args(query, ("max_messages", "channel_max_messages", "channel_max_bytes", "max_attempts",
+                                      "message_ttl_ms"))
         overflow = _first(query, "overflow")
         if overflow is not None:
             if overflow not in OVERFLOW_POLICIES:
@@ -507,7 +508,7 @@ class HTTPAPI:
         set_topic_policy(topic, policy)
         self.nsqd.persist_metadata_soon()
         return {"max_messages": topic.max_messages, "channel_max_messages": topic.channel_max_messages,
-                "overflow": topic.overflow, "max_attempts": topic.max_attempts,
+                "channel_max_bytes": topic.channel_max_bytes, "overflow": topic.overflow, "max_attempts": topic.max_attempts,
                 "message_ttl_ms": topic.ttl_ns // 1_000_000}
 
     async def channel_limits(self, request: Request) -> dict:
@@ -515,9 +516,11 @@ class HTTPAPI:
         channel = topic.channels.get(channel_name)
         if channel is None:
             raise HTTPError(404, "CHANNEL_NOT_FOUND")
-        set_channel_policy(channel, _policy_args(request.query(), ("max_messages", "max_attempts", "message_ttl_ms")))
+        set_channel_policy(channel, _policy_args(request.query(),
+                                                 ("max_messages", "max_bytes", "max_attempts", "message_ttl_ms")))
         self.nsqd.persist_metadata_soon()
-        return {"max_messages": channel.max_messages, "max_attempts": channel.max_attempts,
+        return {"max_messages": channel.max_messages, "max_bytes": channel.max_bytes,
+                "max_attempts": channel.max_attempts,
                 "message_ttl_ms": channel.ttl_ns // 1_000_000}
 
     async def topic_redrive(self, request: Request) -> dict:

@@ -66,6 +66,8 @@ class NSQD:
         #: set once shutdown starts: publishes and subscriptions are refused
         self.draining = False
         self.lookup_peers: list = []
+        self._disk_checked = float("-inf")
+        self._disk_used = 0
         self._client_seq = 0
         self._wall0 = time.time_ns()
         self._clock0: float | None = None
@@ -117,6 +119,9 @@ class NSQD:
             )
             opts = self.options
             topic.overflow = opts.overflow_policy
+            topic.channel_max_bytes = opts.channel_max_bytes
+            if opts.max_disk_bytes:
+                topic.disk_full = self._disk_full
             topic.max_attempts = opts.max_attempts
             topic.ttl_ns = int(opts.message_ttl * 1e9)
             topic.dead_letter = partial(self.dead_letter, name)
@@ -141,6 +146,18 @@ class NSQD:
         except (QueueFull, ChannelExiting, diskq.DiskQueueError) as exc:
             log.error("dead letters dropped", topic=topic_name, dead_letter_topic=name, count=len(frames),
                       error=str(exc))
+
+    def disk_bytes(self) -> int:
+        """Bytes of queued messages on disk (and in write buffers), across every queue."""
+        return sum(q.depth_bytes for t in self.topics.values()
+                   for q in [t.backend, *(c.backend for c in t.channels.values())] if q is not None)
+
+    def _disk_full(self) -> bool:
+        now = time.monotonic()
+        if now - self._disk_checked >= 0.1:  # sampled: summing every queue per publish would cost too much
+            self._disk_checked = now
+            self._disk_used = self.disk_bytes()
+        return self._disk_used >= self.options.max_disk_bytes
 
     def get_existing_topic(self, name: str) -> Topic | None:
         return self.topics.get(name)
@@ -448,20 +465,21 @@ def _overrides(values: dict, defaults: dict) -> dict:
 
 def _default_policy(opts: Options) -> dict:
     return {"max_messages": opts.topic_max_messages, "channel_max_messages": opts.channel_max_messages,
-            "overflow": opts.overflow_policy, "max_attempts": opts.max_attempts,
+            "channel_max_bytes": opts.channel_max_bytes, "overflow": opts.overflow_policy, "max_attempts": opts.max_attempts,
             "message_ttl_ms": int(opts.message_ttl * 1000)}
 
 
 def _topic_policy(topic: Topic, opts: Options) -> dict:
     return _overrides({"max_messages": topic.max_messages, "channel_max_messages": topic.channel_max_messages,
-                       "overflow": topic.overflow, "max_attempts": topic.max_attempts,
+                       "channel_max_bytes": topic.channel_max_bytes, "overflow": topic.overflow, "max_attempts": topic.max_attempts,
                        "message_ttl_ms": topic.ttl_ns // 1_000_000}, _default_policy(opts))
 
 
 def _channel_policy(channel: Channel, topic: Topic) -> dict:
-    return _overrides({"max_messages": channel.max_messages, "max_attempts": channel.max_attempts,
-                       "message_ttl_ms": channel.ttl_ns // 1_000_000},
-                      {"max_messages": topic.channel_max_messages, "max_attempts": topic.max_attempts,
+    return _overrides({"max_messages": channel.max_messages, "max_bytes": channel.max_bytes,
+                       "max_attempts": channel.max_attempts, "message_ttl_ms": channel.ttl_ns // 1_000_000},
+                      {"max_messages": topic.channel_max_messages, "max_bytes": topic.channel_max_bytes,
+                       "max_attempts": topic.max_attempts,
                        "message_ttl_ms": topic.ttl_ns // 1_000_000})
 
 
@@ -474,6 +492,8 @@ def set_topic_policy(topic: Topic, policy: dict) -> None:
     channel_defaults = {}
     if "channel_max_messages" in policy:
         topic.channel_max_messages = channel_defaults["max_messages"] = int(policy["channel_max_messages"])
+    if "channel_max_bytes" in policy:
+        topic.channel_max_bytes = channel_defaults["max_bytes"] = int(policy["channel_max_bytes"])
     if "max_attempts" in policy:
         topic.max_attempts = channel_defaults["max_attempts"] = int(policy["max_attempts"])
     if "message_ttl_ms" in policy:
@@ -486,6 +506,8 @@ def set_topic_policy(topic: Topic, policy: dict) -> None:
 def set_channel_policy(channel: Channel, policy: dict) -> None:
     if "max_messages" in policy:
         channel.max_messages = int(policy["max_messages"])
+    if "max_bytes" in policy:
+        channel.max_bytes = int(policy["max_bytes"])
     if "max_attempts" in policy:
         channel.max_attempts = int(policy["max_attempts"])
     if "message_ttl_ms" in policy:

@@ -429,6 +429,14 @@ class Options:
         exposed=False,
     )
 
+    channel_max_bytes: int = _opt(
+        "int", 0, "most bytes a channel may hold (memory and disk) before publishes to its topic are refused "
+        "(0 = no limit)", exposed=False,
+    )
+    max_disk_bytes: int = _opt(
+        "int", 0, "disk budget for every queued message together; past it publishes are refused (0 = no limit)",
+        exposed=False,
+    )
     overflow_policy: str = _opt(
         "str", "reject", "what a full topic or channel does: reject (refuse publishes) or drop-oldest", exposed=False
     )
@@ -546,6 +554,8 @@ class Options:
               "--dead-letter-suffix must be non-empty and use only [.a-zA-Z0-9_-]")
         _need(self.topic_max_messages >= 0, "--topic-max-messages must be >= 0")
         _need(self.channel_max_messages >= 0, "--channel-max-messages must be >= 0")
+        _need(self.channel_max_bytes >= 0, "--channel-max-bytes must be >= 0")
+        _need(self.max_disk_bytes >= 0, "--max-disk-bytes must be >= 0")
 
         for value in self.e2e_processing_latency_percentiles:
             _need(0 < value <= 1, f"--e2e-processing-latency-percentile must be in (0,1], got {value}")

@@ -103,6 +103,7 @@ class ChannelStats:
     dead_letter_count: int = field(default=0, metadata=OMITEMPTY)
     expired_count: int = field(default=0, metadata=OMITEMPTY)
     max_messages: int = field(default=0, metadata=OMITEMPTY)
+    max_bytes: int = field(default=0, metadata=OMITEMPTY)
     max_attempts: int = field(default=0, metadata=OMITEMPTY)
 
 
@@ -240,6 +241,7 @@ def _channel_stats(c: Channel, topic_filter: str | None, include_clients: bool, 
         dead_letter_count=c.dead_letter_count,
         expired_count=c.expired_count,
         max_messages=c.max_messages,
+        max_bytes=c.max_bytes,
         max_attempts=c.max_attempts,
     )
 

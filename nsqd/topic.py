@@ -51,6 +51,9 @@ class Topic:
         self.mem_queue_size = mem_queue_size
         self.backend = backend
         self.max_messages = max_messages
+        self.channel_max_bytes = 0
+        #: the daemon's global disk budget: True while it is used up
+        self.disk_full: Callable[[], bool] = lambda: False
         # policies beyond nsqd, applied to channels as they are created
         self.overflow = "reject"
         self.max_attempts = 0
@@ -100,6 +103,7 @@ class Topic:
             if self.e2e_percentiles:
                 channel.e2e = LatencyWindow(self.e2e_window_ns, self.e2e_percentiles, self.e2e_now())
             channel.max_messages = self.channel_max_messages
+            channel.max_bytes = self.channel_max_bytes
             channel.max_attempts = self.max_attempts
             channel.ttl_ns = self.ttl_ns
             channel.dead_letter = self.dead_letter
@@ -135,30 +139,52 @@ class Topic:
                 room = channel_room if room is None else min(room, channel_room)
         return room
 
+    def byte_room(self) -> int | None:
+        """How many more bytes the channels' byte limits allow; None when unbounded."""
+        rooms = [c.max_bytes - c.depth_bytes for c in self.channels.values() if c.max_bytes]
+        return min(rooms) if rooms else None
+
     @property
     def bounded(self) -> bool:
-        return bool(self.max_messages) or any(c.max_messages for c in self.channels.values())
+        return bool(self.max_messages) or any(c.max_messages or c.max_bytes for c in self.channels.values())
 
     @property
     def accepting(self) -> bool:
+        if self.disk_full():
+            return False
         if self.overflow != "reject" or not self.bounded:
             return True
-        room = self.room()
-        return room is None or room > 0
+        room, byte_room = self.room(), self.byte_room()
+        return (room is None or room > 0) and (byte_room is None or byte_room > 0)
 
-    def _check_room(self, count: int) -> None:
+    def _check_room(self, frames: list[bytes]) -> None:
+        if self.disk_full():
+            raise QueueFull(f"topic {self.name}: the daemon's disk budget (--max-disk-bytes) is used up")
         if self.overflow == "reject" and self.bounded:
+            count = len(frames)
             room = self.room()
             if room is not None and count > room:
                 raise QueueFull(
                     f"topic {self.name} is full: {count} more message(s) would pass its limit "
                     f"(room for {max(room, 0)})")
+            byte_room = self.byte_room()
+            if byte_room is not None and sum(map(len, frames)) > byte_room:
+                raise QueueFull(
+                    f"topic {self.name} is full: {sum(map(len, frames))} more bytes would pass a channel's "
+                    f"byte limit (room for {max(byte_room, 0)})")
 
     def _trim(self, now_ns: int) -> None:
         """drop-oldest: every queue past its limit loses its oldest messages."""
         for channel in self.channels.values():
             if channel.max_messages and channel.depth > channel.max_messages:
                 channel.drop_oldest(channel.depth - channel.max_messages, now_ns)
+            if channel.max_bytes:
+                for _ in range(8):  # each step drops about the excess, by the average size
+                    excess = channel.depth_bytes - channel.max_bytes
+                    if excess <= 0 or not channel.depth:
+                        break
+                    average = max(channel.depth_bytes // channel.depth, 1)
+                    channel.drop_oldest(-(-excess // average), now_ns)
         if self.max_messages and self.depth > self.max_messages:
             self._drop_oldest(self.depth - self.max_messages)
 
@@ -178,7 +204,7 @@ class Topic:
         self.dropped_count += dropped
 
     def put_chunk(self, ids: list[bytes], frames: list[bytes], nbytes: int) -> None:
-        self._check_room(len(frames))
+        self._check_room(frames)
         self.message_count += len(frames)
         self.message_bytes += nbytes
         if self.channels and not self.paused:
@@ -190,7 +216,7 @@ class Topic:
             self._trim(0)
 
     def put_deferred(self, frame: bytes, due_ns: int) -> None:
-        self._check_room(1)
+        self._check_room([frame])
         self.message_count += 1
         self.message_bytes += len(frame) - message.FRAME_OVERHEAD
         if self.channels and not self.paused:

@@ -214,3 +214,31 @@ def test_failed_deliveries_are_counted_apart_from_attempts():
     [payload] = list(ch.persistable())
     assert message.from_disk(payload)[2] == 2  # the count goes to disk with the message
     assert ch.failed == {}
+
+
+def test_memory_bytes_follow_the_frames_in_memory():
+    import random
+
+    rng = random.Random(7)
+    ch = Channel("t", "c", mem_queue_size=50, backend=None)
+    c = Consumer(rdy=7)
+    ch.add_consumer(1, c)
+    start = 0
+    for _ in range(300):
+        op = rng.randrange(5)
+        if op == 0:
+            ids, frames = chunk(rng.randrange(1, 9), start)
+            frames = [message.encode_frame(i, b"b" * rng.randrange(1, 50), 1) for i in ids]
+            ch.put_chunk(ids, frames)
+            start += len(ids)
+        elif op == 1:
+            c.fill(ch, 0, timeout=10)
+        elif op == 2 and c.in_flight:
+            ch.requeue(c.in_flight.take(next(iter(c.in_flight.map))), 0, 0)
+        elif op == 3:
+            ch.process_in_flight(rng.randrange(0, 20))
+        else:
+            ch.drop_oldest(rng.randrange(0, 3), 0)
+        in_memory = [f for i, (_, frames) in enumerate(ch._chunks) for f in frames[ch._head if i == 0 else 0:]]
+        assert ch.depth_bytes == sum(map(len, in_memory))
+        assert ch.depth == len(in_memory)

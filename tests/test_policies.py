@@ -128,3 +128,48 @@ async def test_declared_channels_get_messages_published_before_any_consumer(tmp_
             await conn.sub("orders", channel)
             await conn.command("RDY 1")
             assert (await conn.read_message()).body == b"first"
+
+
+async def test_channel_byte_limit_refuses_past_it(tmp_path):
+    frame = 34 + 100  # a 100-byte body as a frame
+    async with running_nsqd(tmp_path, channel_max_bytes=3 * frame) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.sub("t", "c")
+        await conn.mpub("t", [b"x" * 100] * 3)
+        await conn.command("PUB t", b"x" * 100)
+        await conn.expect_error("E_PUB_FAILED PUB failed topic t is full")
+        channel = nsqd.topics["t"].channels["c"]
+        assert (channel.depth, channel.depth_bytes) == (3, 3 * frame)
+        assert not nsqd.topics["t"].accepting
+
+
+async def test_byte_limit_with_drop_oldest_counts_disk_too(tmp_path):
+    async with running_nsqd(tmp_path, channel_max_bytes=20 * 134, overflow_policy="drop-oldest",
+                            mem_queue_size=5) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.sub("t", "c")
+        for i in range(6):
+            await conn.mpub("t", [b"%099d" % (i * 10 + j) for j in range(10)])
+        channel = nsqd.topics["t"].channels["c"]
+        assert channel.depth_bytes <= 20 * 134 + 134 * 10  # disk records carry an 8-byte header
+        assert channel.dropped_count >= 40 - 10 and channel.depth + channel.dropped_count == 60
+        kept = channel.depth
+        await conn.command("RDY 100")
+        got = [int((await conn.read_message()).body) for _ in range(kept)]
+        assert max(got) == 59 and len(set(got)) == kept  # the newest is kept, nothing twice
+
+
+async def test_disk_budget_refuses_publishes_once_used_up(tmp_path):
+    async with running_nsqd(tmp_path, max_disk_bytes=2000, mem_queue_size=0) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.sub("t", "c")
+        await conn.mpub("t", [b"x" * 100] * 20)  # about 2.8 kB on disk
+        await trio.sleep(0.15)  # the budget is sampled every 100 ms
+        await conn.command("PUB other", b"y")
+        await conn.expect_error("E_PUB_FAILED PUB failed topic other: the daemon's disk budget")
+        await conn.command("RDY 20")
+        for _ in range(20):
+            msg = await conn.read_message()
+            await conn.command(b"FIN " + msg.id)
+        await trio.sleep(0.15)
+        await conn.pub("other", b"y")  # space freed: accepted again

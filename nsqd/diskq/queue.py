@@ -108,6 +108,7 @@ class DiskQueue:
             self._log,
         )
         self._depth = state.depth
+        self._segment_sizes: dict[int, int] = {}
         self._recovered_damage = (state.damaged_records, state.damaged_bytes)
         self._put_count = 0
         self._durable_count = 0
@@ -252,6 +253,34 @@ class DiskQueue:
         return self._depth
 
     # -- durability ---------------------------------------------------------
+
+    @property
+    def depth_bytes(self) -> int:
+        """Bytes of unread records, headers included, buffered ones too (for byte limits)."""
+        reader, writer = self._reader, self._writer
+        total = 0
+        for segment in range(reader.segment, writer.segment + 1):
+            end = writer.end if segment == writer.segment else self._segment_end(segment)
+            start = reader.position if segment == reader.segment else SEGMENT_HEADER_SIZE
+            total += max(end - start, 0)
+        return total
+
+    def _segment_end(self, segment: int) -> int:
+        """Size of a finished segment: what is still buffered, else the file (cached: it no longer grows)."""
+        extent = self._writer.extent(segment)
+        if extent is not None:
+            return extent.end
+        size = self._segment_sizes.get(segment)
+        if size is None:
+            try:
+                size = os.path.getsize(self._files.segment_path(segment))
+            except OSError:
+                return 0
+            self._segment_sizes[segment] = size
+            if len(self._segment_sizes) > 1024:
+                for old in [s for s in self._segment_sizes if s < self._reader.segment]:
+                    del self._segment_sizes[old]
+        return size
 
     async def wait_durable(self) -> None:
         """Return once every record put before this call is on stable storage.
