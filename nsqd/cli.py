@@ -107,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
         elif spec.kind == "floats":
             kwargs.update(action=_PercentilesAction)
         parser.add_argument("--" + spec.flag, **kwargs)
+    # Go nsqd still accepts these deprecated flags and ignores them; scripts pass them
+    deprecated = parser.add_argument_group("deprecated (accepted, no effect)")
+    deprecated.add_argument("--verbose", nargs="?", const=True, dest="_deprecated_verbose",
+                            help="[deprecated] has no effect, use --log-level")
+    deprecated.add_argument("--worker-id", dest="_deprecated_worker_id",
+                            help="[deprecated] has no effect, use --node-id")
     return parser
 
 
@@ -125,7 +131,7 @@ def _double_dash(argv: Sequence[str]) -> list[str]:
 def parse_args(argv: Sequence[str]) -> Options:
     """Flags beat the config file, which beats the defaults; exits 2 on bad input."""
     parser = build_parser()
-    given = vars(parser.parse_args(_double_dash(argv)))
+    given = {k: v for k, v in vars(parser.parse_args(_double_dash(argv))).items() if not k.startswith("_deprecated")}
     try:
         from_file = load_config(given["config"]) if given.get("config") else {}
         options = Options(**(from_file | given))
