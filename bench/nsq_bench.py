@@ -24,6 +24,15 @@ and RSS (from /proc), and how the machine's CPUs were shared between the
 daemon, the generator and other processes. ``--py-spy FILE`` profiles the
 daemon. ``--self-test`` runs every mode briefly and checks the counts add up.
 
+``--tls``, ``--snappy`` and ``--deflate`` negotiate nsqd's stream upgrades in
+IDENTIFY on every connection, writers' and readers' (TLS first, then one
+compression). With ``--spawn --tls`` the daemon gets a throwaway trustme
+certificate for 127.0.0.1 and the clients verify it against that CA. The
+generator stays on raw sockets: TLS through memory BIOs, one compression call
+per write (a whole MPUB, all the FINs of one read) and one decryption and
+decompression per socket read; each phase adds a ``wire`` line (bytes before
+and after the layers). ``--body random`` sends incompressible bodies.
+
 Result lines have a fixed shape, e.g.::
 
     pub publish: 447872 msgs/s (89.6 MB/s) over 8.00 s [3583200 msgs, 2 conns, 1 procs, generator cpu 1.08 s]
@@ -34,6 +43,7 @@ Result lines have a fixed shape, e.g.::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -43,14 +53,22 @@ import shlex
 import shutil
 import signal
 import socket
+import ssl
 import struct
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
+import urllib.request
+import zlib
 from array import array
 from pathlib import Path
+
+try:
+    import snappy  # python-snappy, only for --snappy
+except ImportError:  # pragma: no cover
+    snappy = None
 
 REPO = Path(__file__).resolve().parent.parent
 MAGIC = b"  V2"
@@ -80,18 +98,158 @@ def mpub(topic: str, bodies: list[bytes]) -> bytes:
     return command("MPUB", topic, body=b"".join(parts))
 
 
-class Conn:
-    """One blocking connection with a small frame reader for the control path."""
+def features_of(opts) -> dict:
+    """The stream upgrades a connection asks for: ``tls`` (CA file, or True for the
+    system store), ``snappy``, ``deflate`` (the level, 0 for none)."""
+    return {"tls": (opts.tls_ca_file or True) if opts.tls else False, "snappy": opts.snappy,
+            "deflate": opts.deflate_level if opts.deflate else 0}
 
-    def __init__(self, address: tuple[str, int], client_id: str) -> None:
+
+@functools.lru_cache(maxsize=None)
+def tls_context(cafile) -> ssl.SSLContext:
+    """Client context verifying nsqd's certificate (and its host name or IP)."""
+    return ssl.create_default_context(cafile=cafile if isinstance(cafile, str) else None)
+
+
+class Conn:
+    """One blocking connection with a small frame reader for the control path.
+
+    ``features`` (see :func:`features_of`) asks for nsqd's stream upgrades in
+    IDENTIFY: TLS, then snappy or deflate on top of it. Upgraded connections
+    still use one raw ``recv`` / ``sendall`` per read and write: TLS goes
+    through memory BIOs (everything one ``recv`` brought is decrypted at once),
+    and each write (a whole MPUB, all the FINs of one read) is compressed as one
+    piece. ``send(data)`` and ``recv()`` (plain bytes of one socket read, maybe
+    empty while a compressed chunk or TLS record is incomplete) hide the layers;
+    on a plain connection they are the socket's own calls.
+    """
+
+    def __init__(self, address: tuple[str, int], client_id: str, features: dict | None = None) -> None:
         self.sock = socket.create_connection(address, timeout=30)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.buf = b""
-        ident = json.dumps({"client_id": client_id, "hostname": client_id,
-                            "user_agent": "nsq_bench/1.0", "feature_negotiation": False})
-        self.sock.sendall(MAGIC + command("IDENTIFY", body=ident.encode()))
-        self.expect_ok("IDENTIFY")
+        self.send = self.sock.sendall
+        self.recv = self._recv_plain
+        self.tls = self._encrypt = self._decompress = None
+        self.compression = ""
+        #: bytes through the layers (plain) and on the socket (wire), upgraded connections only
+        self.plain_sent = self.wire_sent = self.plain_received = self.wire_received = 0
+        f = features or {}
+        negotiate = bool(f.get("tls") or f.get("snappy") or f.get("deflate"))
+        ident = {"client_id": client_id, "hostname": client_id, "user_agent": "nsq_bench/1.0",
+                 "feature_negotiation": negotiate}
+        if negotiate:
+            ident.update(tls_v1=bool(f.get("tls")), snappy=bool(f.get("snappy")),
+                         deflate=bool(f.get("deflate")), deflate_level=f.get("deflate") or 6)
+        self.sock.sendall(MAGIC + command("IDENTIFY", body=json.dumps(ident).encode()))
+        if not negotiate:
+            self.expect_ok("IDENTIFY")
+            return
+        reply = json.loads(self.response())
+        for key in ("tls_v1", "snappy", "deflate"):
+            if bool(reply.get(key)) != ident[key]:
+                raise BenchError(f"IDENTIFY: asked for {key}={ident[key]}, nsqd answered {reply.get(key)!r}"
+                                 + (" (start nsqd with --tls-cert and --tls-key)" if key == "tls_v1" else ""))
+        if self.buf and f.get("tls"):  # nsqd waits for our ClientHello
+            raise BenchError("IDENTIFY: data after the response, before the TLS handshake")
+        self.send, self.recv = self._send_layers, self._recv_layers
+        if f.get("tls"):
+            self._start_tls(tls_context(f["tls"]), address[0])
+            self.expect_ok("TLS upgrade")
+        if f.get("snappy") or f.get("deflate"):
+            self._start_compression(f)
+            self.expect_ok("compression upgrade")
+        self.plain_sent = self.wire_sent = self.plain_received = self.wire_received = 0
 
+    # -- layers
+    def _start_tls(self, context: ssl.SSLContext, host: str) -> None:
+        self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        tls = context.wrap_bio(self._in, self._out, server_hostname=host)
+        while True:
+            try:
+                tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                if self._out.pending:
+                    self.sock.sendall(self._out.read())
+                data = self.sock.recv(RECV_SIZE)
+                if not data:
+                    raise BenchError("connection closed by nsqd during the TLS handshake") from None
+                self._in.write(data)
+        if self._out.pending:
+            self.sock.sendall(self._out.read())
+        self.tls = tls
+        self._encrypt = tls.write
+        self.buf = self._decrypt(b"")  # the OK may have come with the last handshake record
+
+    def _decrypt(self, data: bytes) -> bytes:
+        if data:
+            self._in.write(data)
+        chunks, read = [], self.tls.read
+        try:
+            while True:  # one TLS record per read
+                chunks.append(read(RECV_SIZE))
+        except ssl.SSLWantReadError:
+            pass
+        except ssl.SSLZeroReturnError:
+            raise BenchError("connection closed by nsqd (TLS close_notify)") from None
+        if self._out.pending:  # post-handshake messages that want an answer
+            self.sock.sendall(self._out.read())
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _start_compression(self, f: dict) -> None:
+        if f.get("snappy"):
+            self._compress = snappy.StreamCompressor().add_chunk
+            self._decompress = snappy.StreamDecompressor().decompress
+            self.compression = "snappy"
+        else:
+            comp = zlib.compressobj(f["deflate"], zlib.DEFLATED, -15)
+            c, flush = comp.compress, comp.flush
+            self._compress = lambda data: c(data) + flush(zlib.Z_SYNC_FLUSH)
+            self._decompress = zlib.decompressobj(-15).decompress
+            self.compression = f"deflate level {f['deflate']}"
+        # whatever came after the upgrade's OK in the last read is already compressed
+        self.buf = self._decompress(self.buf) if self.buf else b""
+
+    def _recv_plain(self) -> bytes:
+        data = self.sock.recv(RECV_SIZE)
+        if not data:
+            raise BenchError("connection closed by nsqd")
+        return data
+
+    def _recv_layers(self) -> bytes:
+        data = self.sock.recv(RECV_SIZE)
+        if not data:
+            raise BenchError("connection closed by nsqd")
+        self.wire_received += len(data)
+        if self.tls is not None:
+            data = self._decrypt(data)
+        if self._decompress is not None and data:
+            data = self._decompress(data)
+        self.plain_received += len(data)
+        return data
+
+    def _send_layers(self, data: bytes) -> None:
+        self.plain_sent += len(data)
+        if self._decompress is not None:
+            data = self._compress(data)
+        if self.tls is not None:
+            self._encrypt(data)
+            data = self._out.read()
+        self.wire_sent += len(data)
+        self.sock.sendall(data)
+
+    def describe(self) -> str:
+        """The negotiated upgrades, e.g. ``tls TLSv1.3 TLS_AES_256_GCM_SHA384 + snappy``."""
+        parts = [f"tls {self.tls.version()} {self.tls.cipher()[0]}"] if self.tls is not None else []
+        if self.compression:
+            parts.append(self.compression)
+        return " + ".join(parts) or "plain"
+
+    def io_counts(self) -> tuple[int, int, int, int]:
+        return self.plain_sent, self.wire_sent, self.plain_received, self.wire_received
+
+    # -- frames
     def frame(self) -> tuple[int, bytes]:
         while True:
             if len(self.buf) >= 8:
@@ -99,10 +257,7 @@ class Conn:
                 if len(self.buf) >= 4 + size:
                     data, self.buf = self.buf[8:4 + size], self.buf[4 + size:]
                     return ftype, data
-            chunk = self.sock.recv(RECV_SIZE)
-            if not chunk:
-                raise BenchError("connection closed by nsqd")
-            self.buf += chunk
+            self.buf += self.recv()
 
     def response(self) -> bytes:
         """The next response frame, answering heartbeats on the way."""
@@ -111,7 +266,7 @@ class Conn:
             if ftype == FRAME_ERROR:
                 raise BenchError(f"nsqd error: {data.decode(errors='replace')}")
             if ftype == FRAME_RESPONSE and data == HEARTBEAT:
-                self.sock.sendall(b"NOP\n")
+                self.send(b"NOP\n")
                 continue
             if ftype == FRAME_RESPONSE:
                 return data
@@ -123,18 +278,22 @@ class Conn:
             raise BenchError(f"{what}: expected OK, got {data[:80]!r}")
 
     def subscribe(self, topic: str, channel: str) -> None:
-        self.sock.sendall(command("SUB", topic, channel))
+        self.send(command("SUB", topic, channel))
         self.expect_ok("SUB")
 
     def close(self) -> None:
         self.sock.close()
 
 
-def ensure_channel(address, topic: str, channel: str) -> None:
+def ensure_channel(address, topic: str, channel: str, features: dict | None = None) -> None:
     """Create the topic and channel (as bench.sh does over HTTP) with a SUB and no RDY."""
-    conn = Conn(address, "bench-setup")
+    conn = Conn(address, "bench-setup", features)
     conn.subscribe(topic, channel)
     conn.close()
+
+
+def io_totals(conns) -> tuple:
+    return tuple(sum(c) for c in zip(*(conn.io_counts() for conn in conns)))
 
 
 # ---------------------------------------------------------------- workers
@@ -142,10 +301,15 @@ def pub_worker(spec: dict, start, results) -> None:
     """Synchronous MPUB on each connection in turn, as bench_writer's pubWorker."""
     try:
         address, topic, batch, size = spec["address"], spec["topic"], spec["batch"], spec["size"]
-        conns = [Conn(address, "writer") for _ in range(spec["conns"])]
-        socks = [c.sock for c in conns]
+        conns = [Conn(address, "writer", spec["features"]) for _ in range(spec["conns"])]
+        sends = [c.send for c in conns]  # the socket's sendall on a plain connection
         rate, limit = spec["rate"], spec["limit"]
-        payload = mpub(topic, [b"x" * size] * batch)
+        if spec["body"] == "random":  # distinct bodies, no repeat within a compressor's window
+            payloads = [mpub(topic, [os.urandom(size) for _ in range(batch)])
+                        for _ in range(max(4, -(-256 * 1024 // (batch * size))))]
+        else:
+            payloads = [mpub(topic, [b"x" * size] * batch)]
+        payload, turn = payloads[0], 0
         if rate:  # latency mode: the body starts with the send time (CLOCK_MONOTONIC, ns)
             prefix = f"MPUB {topic}\n".encode() + U32.pack(4 + batch * (4 + size)) + U32.pack(batch)
             item_head, pad = U32.pack(size), b"x" * (size - 8)
@@ -162,8 +326,11 @@ def pub_worker(spec: dict, start, results) -> None:
                 if due > now:
                     time.sleep(due - now)
                 payload = prefix + (item_head + I64.pack(time.monotonic_ns()) + pad) * batch
-            for sock in socks:
-                sock.sendall(payload)
+            elif len(payloads) > 1:
+                turn += 1
+                payload = payloads[turn % len(payloads)]
+            for send in sends:
+                send(payload)
             for conn in conns:
                 conn.expect_ok("MPUB")
             rounds += 1
@@ -174,7 +341,7 @@ def pub_worker(spec: dict, start, results) -> None:
         for conn in conns:
             conn.close()
         results.put(("done", spec["id"], {"role": "pub", "msgs": sent, "t0": t0, "t1": t1,
-                                          "cpu": time.process_time() - cpu0}))
+                                          "cpu": time.process_time() - cpu0, "io": io_totals(conns)}))
     except BaseException:
         results.put(("error", spec["id"], traceback.format_exc()))
 
@@ -182,7 +349,7 @@ def pub_worker(spec: dict, start, results) -> None:
 def sub_worker(spec: dict, start, results, counters, target) -> None:
     """Read messages and FIN each; one FIN write per socket read, as bench_reader's bufio."""
     try:
-        conns = [Conn(spec["address"], "reader") for _ in range(spec["conns"])]
+        conns = [Conn(spec["address"], "reader", spec["features"]) for _ in range(spec["conns"])]
         for conn in conns:
             conn.subscribe(spec["topic"], spec["channel"])
         latency = array("q") if spec["latency"] else None
@@ -197,16 +364,14 @@ def sub_worker(spec: dict, start, results, counters, target) -> None:
         end = t0 + spec["duration"]
         rdy = command("RDY", str(spec["rdy"]))
         for conn in conns:
-            conn.sock.sendall(rdy)
+            conn.send(rdy)
         got = 0
         t1 = t0
         unpack, stamp = HDR.unpack_from, I64.unpack_from
         while True:
             for key, _ in sel.select(0.05):
                 conn = key.data
-                data = conn.sock.recv(RECV_SIZE)
-                if not data:
-                    raise BenchError("connection closed by nsqd")
+                data = conn.recv()  # plain bytes of one socket read (decrypted, decompressed)
                 if conn.buf:
                     data = conn.buf + data
                 now = time.monotonic_ns()
@@ -224,13 +389,13 @@ def sub_worker(spec: dict, start, results, counters, target) -> None:
                             latency.append(now - stamp(data, p + 34)[0])
                     elif ftype == FRAME_RESPONSE:
                         if data[p + 8:q] == HEARTBEAT:
-                            conn.sock.sendall(b"NOP\n")
+                            conn.send(b"NOP\n")
                     else:
                         raise BenchError(f"nsqd error: {data[p + 8:q].decode(errors='replace')}")
                     p = q
                 conn.buf = data[p:]
                 if ids:
-                    conn.sock.sendall(b"FIN " + b"\nFIN ".join(ids) + b"\n")
+                    conn.send(b"FIN " + b"\nFIN ".join(ids) + b"\n")
                     got += len(ids)
                     t1 = time.monotonic()
             counters[slot] = got
@@ -239,7 +404,7 @@ def sub_worker(spec: dict, start, results, counters, target) -> None:
         for conn in conns:
             conn.close()
         results.put(("done", spec["id"], {"role": "sub", "msgs": got, "t0": t0, "t1": t1,
-                                          "cpu": time.process_time() - cpu0,
+                                          "cpu": time.process_time() - cpu0, "io": io_totals(conns),
                                           "latency": latency.tobytes() if latency is not None else b""}))
     except BaseException:
         results.put(("error", spec["id"], traceback.format_exc()))
@@ -294,13 +459,17 @@ def wait_for_port(address, proc, log_path, timeout=20.0) -> None:
 class Daemon:
     """``python -m nsqd`` on free loopback ports with a fresh data dir; SIGTERM on stop."""
 
-    def __init__(self, extra_args: list[str], keep: bool) -> None:
+    def __init__(self, extra_args: list[str], keep: bool, tls: bool = False) -> None:
         self.keep = keep
         self.tmp = Path(tempfile.mkdtemp(prefix="nsq_bench."))
         self.address = ("127.0.0.1", free_port())
+        self.http_address = ("127.0.0.1", free_port())
         self.log_path = self.tmp / "nsqd.log"
+        self.ca_file = ""
+        if tls:
+            extra_args = [*self._certificate(), *extra_args]
         cmd = [sys.executable, "-m", "nsqd", "--tcp-address", f"127.0.0.1:{self.address[1]}",
-               "--http-address", f"127.0.0.1:{free_port()}", "--data-path", str(self.tmp / "data"),
+               "--http-address", f"127.0.0.1:{self.http_address[1]}", "--data-path", str(self.tmp / "data"),
                "--amqp-address=", *extra_args]
         env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         with open(self.log_path, "wb") as log:
@@ -308,6 +477,22 @@ class Daemon:
         self.pid = self.proc.pid
         print(f"nsqd: pid {self.pid} on {self.address[0]}:{self.address[1]}: {shlex.join(cmd)}", flush=True)
         wait_for_port(self.address, self.proc, self.log_path)
+
+    def _certificate(self) -> list[str]:
+        """A throwaway CA (trustme) and a certificate for 127.0.0.1 signed by it."""
+        try:
+            import trustme
+        except ImportError:
+            raise BenchError("--tls with --spawn needs the trustme package (pip install trustme)") from None
+        ca = trustme.CA()
+        cert = ca.issue_cert(self.address[0])
+        cert_file, key_file = self.tmp / "nsqd-cert.pem", self.tmp / "nsqd-key.pem"
+        self.ca_file = str(self.tmp / "ca.pem")
+        ca.cert_pem.write_to_path(self.ca_file)
+        for i, pem in enumerate(cert.cert_chain_pems):
+            pem.write_to_path(str(cert_file), append=i > 0)
+        cert.private_key_pem.write_to_path(str(key_file))
+        return ["--tls-cert", str(cert_file), "--tls-key", str(key_file)]
 
     def data_bytes(self) -> int:
         return sum(f.stat().st_size for f in (self.tmp / "data").rglob("*") if f.is_file())
@@ -350,13 +535,15 @@ def run_phase(opts, pid, name, topic, *, writers=0, readers=0, rate=0.0, limit=0
     for i, n in enumerate(reader_procs):
         specs.append(("sub", {"id": len(specs), "slot": i, "address": opts.address, "topic": topic,
                               "channel": opts.channel, "conns": n, "rdy": opts.rdy,
-                              "duration": duration + reader_grace, "latency": bool(rate)}))
+                              "duration": duration + reader_grace, "latency": bool(rate),
+                              "features": opts.features}))
     writer_procs = split(writers, opts.procs) if writers else []
     for n in writer_procs:
         share = -(-limit * n // writers) if limit else 0
         specs.append(("pub", {"id": len(specs), "address": opts.address, "topic": topic, "conns": n,
                               "batch": opts.batch, "size": opts.size, "duration": duration,
-                              "rate": rate * n / writers if rate else 0.0, "limit": share}))
+                              "rate": rate * n / writers if rate else 0.0, "limit": share, "body": opts.body,
+                              "features": opts.features}))
     procs = []
     for role, spec in specs:
         if role == "sub":
@@ -410,7 +597,8 @@ def _rate(role_results, size):
     secs = max(r["t1"] for r in role_results) - min(r["t0"] for r in role_results)
     return {"msgs": msgs, "secs": secs, "rate": msgs / secs if secs > 0 else 0.0,
             "mbps": msgs * size / secs / 1e6 if secs > 0 else 0.0,
-            "gen_cpu": sum(r["cpu"] for r in role_results)}
+            "gen_cpu": sum(r["cpu"] for r in role_results),
+            "io": tuple(sum(c) for c in zip(*(r["io"] for r in role_results)))}
 
 
 def report(name, opts, results, writers, readers, before, after, rate) -> dict:
@@ -425,6 +613,14 @@ def report(name, opts, results, writers, readers, before, after, rate) -> dict:
         print(f"{name} {word}: {fig['rate']:.0f} msgs/s ({fig['mbps']:.1f} MB/s) over {fig['secs']:.2f} s "
               f"[{fig['msgs']} msgs, {conns} conns, {nprocs} procs, generator cpu {fig['gen_cpu']:.2f} s]",
               flush=True)
+    if opts.features_label != "plain":
+        parts = []
+        for role, who in (("pub", "writers"), ("sub", "readers")):
+            if role in out and out[role]["io"]:
+                ps, ws, pr, wr = out[role]["io"]
+                parts.append(f"{who} sent {ps / 1e6:.1f} MB as {ws / 1e6:.1f} MB, "
+                             f"received {pr / 1e6:.1f} MB as {wr / 1e6:.1f} MB")
+        print(f"{name} wire: {opts.features_label}; {'; '.join(parts)}", flush=True)
     if rate:
         lat = array("q")
         for r in results:
@@ -455,7 +651,7 @@ def phase_topic(opts, phase: str) -> str:
 def run_backlog(opts, pid, daemon) -> dict:
     """Publish ``--backlog`` messages into a channel nobody reads; report memory."""
     topic = phase_topic(opts, "backlog")
-    ensure_channel(opts.address, topic, opts.channel)
+    ensure_channel(opts.address, topic, opts.channel, opts.features)
     out = run_phase(opts, pid, "backlog", topic, writers=opts.writers, limit=opts.backlog,
                     duration=opts.timeout)
     time.sleep(3)  # let the daemon settle (moves to disk, GC)
@@ -473,7 +669,7 @@ def run_mode(opts, pid, daemon) -> list[dict]:
     if opts.backlog:
         return [run_backlog(opts, pid, daemon)]
     if opts.mode == "pub":
-        ensure_channel(opts.address, opts.topic, opts.channel)
+        ensure_channel(opts.address, opts.topic, opts.channel, opts.features)
         return [run_phase(opts, pid, "pub", opts.topic, writers=w)]
     if opts.mode == "sub":
         return [run_phase(opts, pid, "sub", opts.topic, readers=r, target=opts.count)]
@@ -483,7 +679,7 @@ def run_mode(opts, pid, daemon) -> list[dict]:
         return [run_phase(opts, pid, "lat", phase_topic(opts, "lat"), writers=w, readers=r,
                           rate=opts.rate, reader_grace=5)]
     # all
-    ensure_channel(opts.address, opts.topic, opts.channel)
+    ensure_channel(opts.address, opts.topic, opts.channel, opts.features)
     pub = run_phase(opts, pid, "pub", opts.topic, writers=w)
     sub = run_phase(opts, pid, "sub", opts.topic, readers=r, target=pub["pub"]["msgs"])
     if sub["sub"]["msgs"] < pub["pub"]["msgs"]:
@@ -525,12 +721,24 @@ def self_test(opts, pid, daemon) -> bool:
         print(f"self-test {'ok' if cond else 'FAILED'}: {what}", flush=True)
         ok &= bool(cond)
 
-    ensure_channel(opts.address, opts.topic, opts.channel)
+    f = opts.features
+    if f["tls"] or f["snappy"] or f["deflate"]:
+        check_upgrades(opts, daemon, check)
+    ensure_channel(opts.address, opts.topic, opts.channel, opts.features)
     pub = run_phase(opts, pid, "pub", opts.topic, writers=opts.writers)
     check(pub["pub"]["msgs"] > 0, "pub published messages")
     sub = run_phase(opts, pid, "sub", opts.topic, readers=opts.readers, target=pub["pub"]["msgs"],
                     duration=30)
     check(sub["sub"]["msgs"] == pub["pub"]["msgs"], "sub drained exactly what pub published")
+    if f["tls"] or f["snappy"] or f["deflate"]:
+        (sent, sent_wire, _, _), (_, _, got, got_wire) = pub["pub"]["io"], sub["sub"]["io"]
+        if f["snappy"] or f["deflate"]:
+            smaller = opts.body == "x"  # random bodies do not compress
+            check((sent_wire < sent / 2 and got_wire < got / 2) if smaller else (sent_wire > 0 and got_wire > 0),
+                  f"compressed on the wire: MPUBs {sent} -> {sent_wire} bytes, messages {got} -> {got_wire}")
+        else:
+            check(sent < sent_wire < sent * 1.01 and got < got_wire < got * 1.01,
+                  f"TLS records on the wire: MPUBs {sent} -> {sent_wire} bytes, messages {got} -> {got_wire}")
     both = run_phase(opts, pid, "both", phase_topic(opts, "both"), writers=opts.writers, readers=opts.readers)
     check(both["pub"]["msgs"] > 0 and both["sub"]["msgs"] > 0, "both published and consumed")
     lat = run_phase(opts, pid, "lat", phase_topic(opts, "lat"), writers=opts.writers,
@@ -542,6 +750,40 @@ def self_test(opts, pid, daemon) -> bool:
     check(back["pub"]["msgs"] >= 50000, "backlog published its count")
     print(f"self-test: {'ok' if ok else 'FAILED'}", flush=True)
     return ok
+
+
+def check_upgrades(opts, daemon, check) -> None:
+    """A connection with the upgrades subscribes; nsqd's /stats must show them on that client."""
+    conn = Conn(opts.address, "bench-upgrades", opts.features)
+    try:
+        conn.subscribe(phase_topic(opts, "upgrades"), opts.channel)
+        f = opts.features
+        check((conn.tls is not None) == bool(f["tls"])
+              and conn.compression.startswith("snappy" if f["snappy"] else "deflate" if f["deflate"] else ""),
+              f"negotiated {conn.describe()}")
+        if daemon is None:
+            print("self-test: /stats check skipped (needs --spawn)", flush=True)
+            return
+        host, port = daemon.http_address
+        with urllib.request.urlopen(f"http://{host}:{port}/stats?format=json", timeout=10) as resp:
+            doc = json.load(resp)
+        found = [c for c in _walk(doc) if c.get("client_id") == "bench-upgrades"]
+        want = {"tls": bool(f["tls"]), "snappy": bool(f["snappy"]), "deflate": bool(f["deflate"])}
+        seen = {k: found[0].get(k) for k in want} if found else None
+        check(seen == want, f"nsqd /stats shows the client with {seen} (want {want})")
+    finally:
+        conn.close()
+
+
+def _walk(node):
+    """Every dict in a JSON document."""
+    if isinstance(node, dict):
+        yield node
+        for value in node.values():
+            yield from _walk(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _walk(value)
 
 
 # ---------------------------------------------------------------- main
@@ -567,12 +809,30 @@ def parse_args(argv=None):
     p.add_argument("--rate", type=float, default=50000, help="latency mode: target msgs/s over all writers")
     p.add_argument("--backlog", type=int, default=0, help="publish N messages with no consumer; report RSS")
     p.add_argument("--timeout", type=float, default=600, help="time limit for --backlog publishing")
-    p.add_argument("--self-test", action="store_true", help="run every mode briefly and check the counts")
+    p.add_argument("--body", choices=("x", "random"), default="x",
+                   help="message bodies: 'x' repeated (compresses to almost nothing, as Go's zero bodies), "
+                        "or random bytes, distinct within each compressor window (incompressible)")
+    p.add_argument("--tls", action="store_true",
+                   help="negotiate tls_v1 on every connection (with --spawn: nsqd gets a trustme certificate)")
+    p.add_argument("--tls-ca-file", default="",
+                   help="CA file to verify nsqd's certificate with when not spawning (empty: the system store)")
+    p.add_argument("--snappy", action="store_true", help="negotiate snappy compression on every connection")
+    p.add_argument("--deflate", action="store_true", help="negotiate deflate compression on every connection")
+    p.add_argument("--deflate-level", type=int, default=6,
+                   help="deflate level asked for in IDENTIFY and used by the generator's own compressor")
+    p.add_argument("--self-test", action="store_true",
+                   help="run every mode briefly and check the counts (and the negotiated upgrades)")
     p.add_argument("--py-spy", metavar="FILE", default="",
                    help="profile nsqd with py-spy for the whole run (.svg flame graph, .txt collapsed stacks)")
     opts = p.parse_args(argv)
     if opts.rate and opts.size < 8:
         p.error("--size must be at least 8 (latency mode stamps the body)")
+    if opts.snappy and opts.deflate:
+        p.error("--snappy and --deflate exclude each other (nsqd allows one compression)")
+    if not 1 <= opts.deflate_level <= 9:
+        p.error("--deflate-level must be in [1, 9]")
+    if opts.snappy and snappy is None:
+        p.error("--snappy needs python-snappy (pip install python-snappy)")
     return opts
 
 
@@ -592,18 +852,25 @@ def main(argv=None) -> int:
     daemon = profiler = None
     try:
         if opts.spawn:
-            daemon = Daemon(shlex.split(opts.nsqd_args), opts.keep)
+            daemon = Daemon(shlex.split(opts.nsqd_args), opts.keep, tls=opts.tls)
             opts.address, pid = daemon.address, daemon.pid
+            if opts.tls:
+                opts.tls_ca_file = daemon.ca_file
         else:
             host, _, port = opts.nsqd_tcp_address.rpartition(":")
             opts.address, pid = (host or "127.0.0.1", int(port)), opts.pid
             wait_for_port(opts.address, None, None, timeout=5)
+        opts.features = features_of(opts)
+        probe = Conn(opts.address, "bench-probe", opts.features)
+        opts.features_label = probe.describe()
+        probe.close()
         if opts.py_spy:
             profiler = start_profiler(opts.py_spy, pid)
         mode = "self-test" if opts.self_test else f"backlog {opts.backlog}" if opts.backlog else opts.mode
         print(f"nsq_bench: mode {mode}, size {opts.size}, "
               f"batch {opts.batch}, writers {opts.writers}, readers {opts.readers}, procs {opts.procs}, "
-              f"rdy {opts.rdy}, duration {opts.duration} s, cpus {os.cpu_count()}", flush=True)
+              f"rdy {opts.rdy}, duration {opts.duration} s, cpus {os.cpu_count()}, "
+              f"wire {opts.features_label}, body {opts.body}", flush=True)
         if opts.self_test:
             return 0 if self_test(opts, pid, daemon) else 1
         phases = run_mode(opts, pid, daemon)
