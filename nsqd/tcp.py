@@ -194,7 +194,7 @@ class Connection:
             return
         async with self._exclusive():
             if kind == "tls":
-                stream = trio.SSLStream(self.stream, self.nsqd.tls_context, server_side=True)
+                stream = tls.TLSStream(self.stream, self.nsqd.tls_context)
                 with trio.fail_after(5):
                     await stream.do_handshake()
                 for key, value in tls.describe(stream).items():
