@@ -35,6 +35,7 @@ import trio
 
 from nsqd.options import split_host_port
 from nsqd.tcp import peer_address
+from nsqd.write_turn import WriteTurn
 
 from . import auth
 from .errors import CONNECTION_FORCED
@@ -117,8 +118,7 @@ class Driver:
         self.engine = gateway.engine
         self.idle_timeout = idle_timeout
         self._lot = trio.lowlevel.ParkingLot()
-        self._sending = False
-        self._idle = trio.Event()
+        self._turn = WriteTurn()
         self._last_send = trio.current_time()
         self._heartbeats = False
         gateway.on_wake = self._lot.unpark_all
@@ -158,7 +158,7 @@ class Driver:
 
     async def say_goodbye(self) -> None:
         """A connection we end without a close of its own (shutdown, a failure) still gets one."""
-        if self.engine.close_sent or self._sending:
+        if self.engine.close_sent or self._turn.busy:
             return  # said already, or a write was cut off midway and the stream is unusable
         self.engine.close(Error(CONNECTION_FORCED, "the daemon ended the connection"))
         try:
@@ -190,11 +190,8 @@ class Driver:
 
     async def _flush(self, wait: bool) -> None:
         """Fill from the channels and write everything pending, one send per round."""
-        while self._sending:
-            if not wait:
-                return
-            await self._idle.wait()
-        self._sending = True
+        if not await self._turn.take(wait):
+            return
         gateway = self.gateway
         engine = self.engine
         now_ns = self.nsqd.now_ns
@@ -208,6 +205,4 @@ class Driver:
                     await self.stream.send_all(data)
                 self._last_send = trio.current_time()
         finally:
-            self._sending = False
-            idle, self._idle = self._idle, trio.Event()
-            idle.set()
+            self._turn.give_back()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import ssl
-from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 import structlog
@@ -28,6 +27,7 @@ from . import auth, message, tls
 from .client_v2 import ClientV2
 from .compression import DeflateStream, SnappyStream
 from .protocol_v2 import HEARTBEAT, MAGIC_V2, ProtocolV2
+from .write_turn import WriteTurn
 
 if TYPE_CHECKING:
     from .nsqd import NSQD
@@ -122,8 +122,7 @@ class Connection:
         self.client = client
         self.protocol = ProtocolV2(nsqd, client)
         self._lot = trio.lowlevel.ParkingLot()
-        self._sending = False
-        self._idle = trio.Event()
+        self._turn = WriteTurn()
         self._cancel_scope = trio.CancelScope()
         client.on_wake = self._lot.unpark_all
 
@@ -192,7 +191,7 @@ class Connection:
         if kind == "auth":
             await self._authorize()
             return
-        async with self._exclusive():
+        async with self._turn.held():  # no pump writes while the stream is replaced
             if kind == "tls":
                 stream = tls.TLSStream(self.stream, self.nsqd.tls_context)
                 with trio.fail_after(5):
@@ -224,26 +223,10 @@ class Connection:
         else:
             self.protocol.auth_done(state, None)
 
-    @asynccontextmanager
-    async def _exclusive(self):
-        """Hold the write path (no pump writes) while the stream is being replaced."""
-        while self._sending:
-            await self._idle.wait()
-        self._sending = True
-        try:
-            yield
-        finally:
-            self._sending = False
-            idle, self._idle = self._idle, trio.Event()
-            idle.set()
-
     async def _flush(self, wait: bool) -> None:
         """Fill from the channel and write everything pending, one send per round."""
-        while self._sending:
-            if not wait:
-                return
-            await self._idle.wait()
-        self._sending = True
+        if not await self._turn.take(wait):
+            return
         client = self.client
         out = client.out
         try:
@@ -257,9 +240,7 @@ class Connection:
                 with trio.fail_after(hb / 1e9 if hb > 0 else math.inf):
                     await self.stream.send_all(data)
         finally:
-            self._sending = False
-            idle, self._idle = self._idle, trio.Event()
-            idle.set()
+            self._turn.give_back()
 
 
 def _noop() -> None:
