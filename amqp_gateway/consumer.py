@@ -1,17 +1,19 @@
-"""A link on which the client receives: one consumer of an NSQ channel.
+"""A link on which the client receives: one subscription to an NSQ channel.
 
-It is to AMQP what ``ClientV2`` is to the TCP protocol, with the same
-channel interface (``in_flight``, ``wake``, ``messages_timed_out``,
-``close``) and the same stats attributes, so AMQP and NSQ consumers of one
-channel share its messages and ``/stats`` shows both.
+It is to AMQP what ``ClientV2`` is to the TCP protocol: the consumer behind a
+:class:`~nsqd.subscription.Subscription`, with the same stats attributes, so
+AMQP and NSQ consumers of one channel share its messages and ``/stats``
+shows both.
 
-Its link credit is its RDY: :meth:`fill` takes at most ``min(credit, the
-session's outgoing window, FILL_BATCH)`` messages per round from the channel,
-so a huge credit never holds more than one batch in our buffers; the writer
-calls it again as the socket drains. A pre-settled link (snd-settle-mode
-settled) is at-most-once: messages are finished as they are sent.
+Its link credit is its RDY, within the connection's budget (every link of a
+connection shares ``--max-rdy-count``, whatever credit the client grants):
+:meth:`fill` takes at most ``min(credit, the session's outgoing window,
+FILL_BATCH)`` messages per round, so a huge credit never holds more than one
+batch in our buffers; the writer calls it again as the socket drains. A
+pre-settled link (snd-settle-mode settled) is at-most-once: messages are
+finished as they are sent.
 
-Dispositions map onto the channel's verbs (see :meth:`settle`).
+Dispositions map onto the subscription's verbs (see :meth:`settle`).
 """
 
 from __future__ import annotations
@@ -19,13 +21,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 from nsqd.client_v2 import STATE_SUBSCRIBED
-from nsqd.in_flight import InFlight
 
 from .mapping import encode_delivery
 from .performatives import Accepted, Modified, Rejected
 
 if TYPE_CHECKING:
-    from nsqd.channel import Channel
+    from nsqd.subscription import Subscription
 
     from .link import Link
 
@@ -36,15 +37,11 @@ STALE_SLACK = 1024
 
 
 class LinkConsumer:
-    def __init__(self, link: Link, channel: Channel, consumer_id: int, *, container_id: str,
-                 remote_address: str, msg_timeout_ns: int, now_ns: int, on_wake: Callable[[], None]) -> None:
+    def __init__(self, link: Link, *, container_id: str, remote_address: str, now_ns: int,
+                 on_wake: Callable[[], None]) -> None:
         self.link = link
-        self.channel = channel
-        self.id = consumer_id
-        self.in_flight = InFlight()
-        self.lease = None
+        self.sub: Subscription | None = None
         self.presettled = link.sends_settled
-        self.msg_timeout_ns = msg_timeout_ns
         self.on_wake = on_wake
         #: the channel was deleted: the link must be detached
         self.closing = False
@@ -64,29 +61,31 @@ class LinkConsumer:
         self.authed = False
         self.auth_identity = self.auth_identity_url = ""
         self.sample_rate = 0
-        self.pub_counts: dict[str, int] = {}
-        self.message_count = 0
-        self.finish_count = 0
-        self.requeue_count = 0
-        self.timeout_count = 0
 
+    # ---------------------------------------------------------------- stats
     @property
     def ready_count(self) -> int:
         return max(self.link.credit, 0)
 
-    # ------------------------------------------------------ channel consumer
-    def wake(self) -> int:
-        self.on_wake()
-        return max(self.link.credit, 0)
+    @property
+    def in_flight_count(self) -> int:
+        return self.sub.in_flight_count
 
-    def messages_timed_out(self, count: int) -> None:
-        """Their deliveries stay unsettled in the session until the client settles them;
-        for a client that never does, they are forgotten once they outnumber the live ones."""
-        self.timeout_count += count
-        self.stale += count
-        if self.stale > max(len(self.in_flight), STALE_SLACK):
-            self.link.session.forget_unsettled(self.link, self.in_flight.map.__contains__)
-            self.stale = 0
+    @property
+    def message_count(self) -> int:
+        return self.sub.message_count
+
+    @property
+    def finish_count(self) -> int:
+        return self.sub.finish_count
+
+    @property
+    def requeue_count(self) -> int:
+        return self.sub.requeue_count
+
+    # ------------------------------------------------------ channel consumer
+    def wake(self) -> None:
+        self.on_wake()
 
     def close(self) -> None:
         self.closing = True
@@ -98,17 +97,27 @@ class LinkConsumer:
         self.echo = True
         self.on_wake()
 
+    def timed_out(self, count: int) -> None:
+        """Timed-out deliveries stay unsettled in the session until the client settles them;
+        for a client that never does, they are forgotten once they outnumber the live ones."""
+        self.stale += count
+        sub = self.sub
+        if self.stale > max(len(sub.in_flight), STALE_SLACK):
+            self.link.session.forget_unsettled(self.link, sub.in_flight.__contains__)
+            self.stale = 0
+
     # ------------------------------------------------------------- delivery
     def fill(self, now_ns: int) -> int:
         """Send one batch of messages within the credit; answer drain and echo. Returns messages sent."""
         link = self.link
-        channel = self.channel
+        sub = self.sub
         want = min(link.credit, link.session.outgoing_room, FILL_BATCH)
         sent = 0
         if want > 0:
-            pieces = channel.take(want, self, now_ns)
+            pieces = sub.take(want, now_ns)
             if pieces:
-                sent = self._send(pieces, now_ns)
+                sent = self._send(pieces)
+        channel = sub.channel
         link.available = 0 if channel.draining else channel.depth
         if link.drain and link.credit > 0 and sent < want:
             link.complete_drain()  # the channel ran dry: the rest of the credit is used up
@@ -118,28 +127,21 @@ class LinkConsumer:
             link.send_flow()
         return sent
 
-    def _send(self, pieces: list, now_ns: int) -> int:
+    def _send(self, pieces: list) -> int:
         link = self.link
-        channel = self.channel
-        failed = channel.failed
+        sub = self.sub
         presettled = self.presettled
-        deadline = now_ns + self.msg_timeout_ns
         sent = 0
-        for ids, frames in pieces:
-            if failed:
-                payloads = [encode_delivery(f, failed.get(i, 0)) for i, f in zip(ids, frames)]
-            else:
+        for ids, frames, _ in pieces:
+            failures = sub.failures(ids)
+            if failures is None:
                 payloads = [encode_delivery(f) for f in frames]
-            if presettled:
-                if failed:
-                    channel.forget(ids)
             else:
-                self.in_flight.add(ids, frames, deadline, now_ns)
+                payloads = [encode_delivery(f, failed) for f, failed in zip(frames, failures)]
+            if presettled:
+                sub.forget_in_flight(ids)
             link.send_transfers(ids, payloads, presettled)
             sent += len(ids)
-        self.message_count += sent
-        if presettled:
-            self.finish_count += sent
         return sent
 
     # ----------------------------------------------------------- settlement
@@ -154,38 +156,12 @@ class LinkConsumer:
         settled delivery and leaves an unsettled one in flight.
         """
         kind = type(state)
+        sub = self.sub
         if kind is Accepted or state is None:
-            self._finish(tags)
+            sub.finish(tags)
         elif kind is Rejected or (kind is Modified and state.undeliverable_here):
-            self._reject(tags)
+            sub.reject(tags)
         elif kind is Modified and state.delivery_failed:
-            self._requeue(tags, now_ns, counted=True)
+            sub.requeue_many(tags, now_ns, count_attempt=True)
         else:  # released, modified without flags, or an outcome we do not know
-            self._requeue(tags, now_ns, counted=False)
-
-    def _finish(self, tags: list[bytes]) -> None:
-        pop = self.in_flight.map.pop
-        finished = 0
-        for tag in tags:
-            if pop(tag, None) is not None:
-                finished += 1
-        self.finish_count += finished
-        if self.channel.failed:
-            self.channel.forget(tags)
-
-    def _requeue(self, tags: list[bytes], now_ns: int, counted: bool) -> None:
-        # backwards, since each goes to the head of the queue: the first released is redelivered first
-        take = self.in_flight.take
-        requeue = self.channel.requeue
-        for tag in reversed(tags):
-            frame = take(tag)
-            if frame is not None:
-                requeue(frame, 0, now_ns, failed=counted, count_attempt=counted)
-                self.requeue_count += 1
-
-    def _reject(self, tags: list[bytes]) -> None:
-        take = self.in_flight.take
-        for tag in tags:
-            frame = take(tag)
-            if frame is not None:
-                self.channel.reject(frame)
+            sub.requeue_many(tags, now_ns, count_attempt=False)

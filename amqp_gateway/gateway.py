@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from nsqd.channel import ChannelExiting
+from nsqd.broker import SubscribeError
 from nsqd.client_v2 import STATE_SUBSCRIBED
+from nsqd.subscription import Budget
 from nsqd.version import NSQD_VERSION
 
 from . import events as ev
@@ -41,7 +42,7 @@ from .errors import (
 )
 from .link import Link
 from .performatives import RCV_FIRST, RCV_SECOND, SND_SETTLED, SND_UNSETTLED, Error, Source, Target
-from .publisher import LinkPublisher
+from .publisher import LinkPublisher, Pending
 from .sasl import Authenticate, SaslServer
 
 if TYPE_CHECKING:
@@ -74,6 +75,10 @@ class GatewayConnection:
         self._held: deque = deque()
         self.consumers: dict[Link, LinkConsumer] = {}
         self.publishers: dict[Link, LinkPublisher] = {}
+        #: every receiving link's messages in flight count in one budget: --max-rdy-count per connection
+        self.budget = Budget(nsqd.options.max_rdy_count)
+        #: publishes whose answers wait for a durable receipt; the I/O layer settles them
+        self.pending: list[Pending] = []
         #: set by the I/O layer: wake the writer (messages arrived, a link must be detached)
         self.on_wake = _noop
         # the producer record /stats reads (ClientV2's attribute names)
@@ -137,7 +142,7 @@ class GatewayConnection:
         if kind is ev.Transfers:
             publisher = self.publishers.get(event.link)
             if publisher is not None:
-                self._publish(publisher, event.deliveries, now_ns)
+                self._publish(publisher, event.deliveries)
         elif kind is ev.Settled:
             consumer = self.consumers.get(event.link)
             if consumer is not None:
@@ -174,9 +179,11 @@ class GatewayConnection:
         elif event.echo:
             event.link.send_flow()
 
-    def _publish(self, publisher: LinkPublisher, deliveries: list[ev.IncomingDelivery], now_ns: int) -> None:
+    def _publish(self, publisher: LinkPublisher, deliveries: list[ev.IncomingDelivery]) -> None:
         if self._allows(publisher.topic_name):
-            publisher.publish(deliveries, now_ns)
+            pending = publisher.publish(deliveries)
+            if pending is not None:
+                self.pending.append(pending)
             return
         # renewed authorizations that no longer cover the topic: the link goes, unsettled
         error = Error(UNAUTHORIZED_ACCESS, f"not authorized to publish to {publisher.topic_name}")
@@ -209,25 +216,19 @@ class GatewayConnection:
         if not self._allows(topic_name, channel_name):
             raise LinkRefused(UNAUTHORIZED_ACCESS, f"not authorized to subscribe to {topic_name}/{channel_name}")
         nsqd = self.nsqd
-        try:
-            channel = nsqd.get_topic(topic_name).get_channel(channel_name)
-        except (ChannelExiting, RuntimeError) as exc:
-            raise LinkRefused(RESOURCE_DELETED, f"cannot subscribe: {exc}") from None
         # our answer fixes the settle mode before the consumer reads it
         snd_mode = SND_SETTLED if attach.snd_settle_mode == SND_SETTLED else SND_UNSETTLED
         link.snd_settle_mode = snd_mode
-        consumer = LinkConsumer(link, channel, nsqd.new_client_id(), container_id=self.container_id,
-                                remote_address=self.remote_address,
-                                msg_timeout_ns=int(nsqd.options.msg_timeout * 1e9), now_ns=now_ns,
-                                on_wake=self._wake)
+        consumer = LinkConsumer(link, container_id=self.container_id, remote_address=self.remote_address,
+                                now_ns=now_ns, on_wake=self._wake)
         consumer.authed, consumer.auth_identity, consumer.auth_identity_url = (
             self.authed, self.auth_identity, self.auth_identity_url)
         try:
-            channel.add_consumer(consumer.id, consumer, nsqd.options.max_channel_consumers)
-        except ChannelExiting as exc:
-            raise LinkRefused(RESOURCE_DELETED, f"cannot subscribe: {exc}") from None
-        except ValueError as exc:
-            raise LinkRefused(RESOURCE_LIMIT_EXCEEDED, str(exc)) from None
+            consumer.sub = nsqd.subscribe(topic_name, channel_name, consumer, budget=self.budget,
+                                          msg_timeout_ns=int(nsqd.options.msg_timeout * 1e9))
+        except SubscribeError as exc:
+            condition = RESOURCE_LIMIT_EXCEEDED if "exceeds limit" in str(exc) else RESOURCE_DELETED
+            raise LinkRefused(condition, f"cannot subscribe: {exc}") from None
         self.consumers[link] = consumer
         link.attach(Source(source.address, outcomes=_OUTCOMES), attach.target, snd_settle_mode=snd_mode,
                     rcv_settle_mode=RCV_FIRST)
@@ -243,8 +244,8 @@ class GatewayConnection:
         if not self._allows(topic_name):
             raise LinkRefused(UNAUTHORIZED_ACCESS, f"not authorized to publish to {topic_name}")
         try:
-            self.nsqd.get_topic(topic_name)
-        except (ChannelExiting, RuntimeError) as exc:
+            self.nsqd.declare(topic_name)
+        except SubscribeError as exc:
             raise LinkRefused(RESOURCE_DELETED, f"cannot publish: {exc}") from None
         publisher = LinkPublisher(link, topic_name, self.nsqd, self.pub_counts)
         self.publishers[link] = publisher
@@ -260,7 +261,7 @@ class GatewayConnection:
     def _forget(self, link: Link) -> None:
         consumer = self.consumers.pop(link, None)
         if consumer is not None:
-            consumer.channel.remove_consumer(consumer.id)
+            consumer.sub.close()
         self.publishers.pop(link, None)
 
     def _wake(self) -> None:
@@ -275,7 +276,7 @@ class GatewayConnection:
         for link, consumer in list(self.consumers.items()):
             if consumer.closing:
                 self._forget(link)
-                link.detach(Error(RESOURCE_DELETED, f"channel {consumer.channel.name} was deleted"))
+                link.detach(Error(RESOURCE_DELETED, f"channel {consumer.sub.channel.name} was deleted"))
             elif link.attached:
                 sent += consumer.fill(now_ns)
         return sent

@@ -1,7 +1,7 @@
 """A link on which the client publishes to a topic, with back-pressure per link.
 
 Credit is granted in batches of ``PUBLISH_CREDIT`` (RabbitMQ's 170), topped
-up once less than half is left, and only while ``topic.accepting`` is true;
+up once less than half is left, and only while the topic takes messages;
 under a limit a grant never exceeds the room left, so a publisher that keeps
 to its credit is not refused for a full topic (several links racing for the
 last room can be).
@@ -9,13 +9,14 @@ last room can be).
 When the topic is full the link simply runs out of credit: the other links
 of the connection and session keep their own credit, so one full topic never
 slows publishing elsewhere or consuming on the same connection. The
-connection polls starved links (``POLL_INTERVAL``) and tops them up as soon
-as the topic takes messages again.
+connection looks at starved links again (``POLL_INTERVAL``) and tops them up
+as soon as the topic takes messages again.
 
 All complete deliveries that arrived in a row on the link become one
-``put_chunk``; unsettled ones are answered ``accepted`` only after it
-returned (the message is stored), or ``rejected`` with the reason. Pre-settled
-deliveries are at-most-once: a failure is only logged.
+publish through the daemon's one publish path; unsettled ones are answered
+``accepted`` only once it is confirmed (stored, and fsynced when the topic
+is durable or a message's header says ``durable``), or ``rejected`` with the
+reason. Pre-settled deliveries are at-most-once: a failure is only logged.
 """
 
 from __future__ import annotations
@@ -24,14 +25,10 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from nsqd import message
-from nsqd.channel import ChannelExiting
-from nsqd.topic import QueueFull
+from nsqd.broker import PublishError, Receipt
 
 from .codec import DecodeError
-from .errors import (
-    DECODE_ERROR, INTERNAL_ERROR, INVALID_FIELD, MESSAGE_SIZE_EXCEEDED, RESOURCE_DELETED, RESOURCE_LIMIT_EXCEEDED,
-)
+from .errors import DECODE_ERROR, INVALID_FIELD, MESSAGE_SIZE_EXCEEDED, RESOURCE_DELETED, RESOURCE_LIMIT_EXCEEDED
 from .performatives import Accepted, Error, Rejected
 from .sections import message_body
 
@@ -50,6 +47,24 @@ POLL_INTERVAL = 0.05
 SECTIONS_ALLOWANCE = 64 * 1024
 
 _ACCEPTED = Accepted()
+#: AMQP error conditions for the reasons a publish is refused
+_CONDITIONS = {"full": RESOURCE_LIMIT_EXCEEDED, "storage": RESOURCE_LIMIT_EXCEEDED, "exiting": RESOURCE_DELETED}
+
+
+class Pending:
+    """Deliveries stored but waiting for their receipt (a durable publish) before ``accepted``."""
+
+    __slots__ = ("publisher", "receipt", "accepted", "settled")
+
+    def __init__(self, publisher: LinkPublisher, receipt: Receipt, accepted: list[int], settled: int) -> None:
+        self.publisher = publisher
+        self.receipt = receipt
+        self.accepted = accepted
+        self.settled = settled
+
+    def done(self, error: PublishError | None) -> None:
+        """Answer the deliveries once the receipt is settled."""
+        self.publisher.confirmed(self, error)
 
 
 class LinkPublisher:
@@ -58,7 +73,7 @@ class LinkPublisher:
         self.topic_name = topic_name
         self.nsqd = nsqd
         self.pub_counts = pub_counts
-        #: out of credit because the topic is full; the connection polls it
+        #: out of credit because the topic is full; the connection looks at it again later
         self.starved = False
         link.max_message_size = nsqd.options.max_msg_size + SECTIONS_ALLOWANCE
 
@@ -69,30 +84,31 @@ class LinkPublisher:
         if link.credit >= PUBLISH_CREDIT // 2 or not link.attached:
             self.starved = False
             return
-        topic = self.nsqd.get_existing_topic(self.topic_name)
-        if topic is None:  # deleted: the next publish creates it again
-            credit = PUBLISH_CREDIT
-        elif not topic.accepting:
+        accepting, room = self.nsqd.publish_room(self.topic_name)
+        if not accepting:
             credit = 0
         else:
-            room = topic.room()  # may be <= 0 under a policy that makes room itself (drop-oldest)
             credit = PUBLISH_CREDIT if room is None or room <= 0 else min(PUBLISH_CREDIT, room)
         self.starved = credit <= link.credit
         if not self.starved:
             link.flow(credit)
 
-    def publish(self, deliveries: list[IncomingDelivery], now_ns: int) -> None:
-        """Store a run of deliveries as one chunk and answer each unsettled one."""
+    def publish(self, deliveries: list[IncomingDelivery]) -> Pending | None:
+        """Publish a run of deliveries as one batch; answer each unsettled one.
+
+        Returns a :class:`Pending` when the answers must wait for a durable receipt.
+        """
         max_size = self.nsqd.options.max_msg_size
         bodies: list[bytes] = []
         stored: list[tuple[int, bool]] = []
         failures: list[tuple[int, bool, Error]] = []
+        durable = False
         for did, _tag, settled, payload in deliveries:
             if payload is None:
                 failures.append((did, settled, Error(MESSAGE_SIZE_EXCEEDED, f"message larger than {max_size} bytes")))
                 continue
             try:
-                body = message_body(payload)
+                body, wants_durable = message_body(payload)
             except DecodeError as exc:
                 failures.append((did, settled, Error(DECODE_ERROR, str(exc))))
                 continue
@@ -104,10 +120,50 @@ class LinkPublisher:
             else:
                 bodies.append(body)
                 stored.append((did, settled))
+                durable = durable or (wants_durable and not settled)
+        pending = None
         if bodies:
-            failures.extend(self._store(bodies, stored, now_ns))
+            receipt, error = self._store(bodies, durable)
+            count = receipt.count if receipt is not None else 0
+            failures.extend((did, settled, error) for did, settled in stored[count:])
+            del stored[count:]
+            if receipt is not None and not receipt.confirmed:
+                pending = Pending(self, receipt, [did for did, settled in stored if not settled], count)
+                stored = []
+        self._answer([did for did, settled in stored if not settled], failures)
+        self.grant()
+        return pending
+
+    def _store(self, bodies: list[bytes], durable: bool) -> tuple[Receipt | None, Error | None]:
+        """The core publish; a batch bigger than the room left under a ``reject`` limit is cut."""
+        try:
+            receipt = self.nsqd.publish(self.topic_name, bodies, durable=durable, partial=True)
+        except PublishError as exc:
+            if exc.kind == "storage":
+                log.error("publish failed", topic=self.topic_name, error=exc.reason)
+            return None, Error(_CONDITIONS.get(exc.kind, RESOURCE_LIMIT_EXCEEDED), exc.reason)
+        if receipt.confirmed:
+            self._count(receipt.count)
+        full = None if receipt.count == len(bodies) else Error(
+            RESOURCE_LIMIT_EXCEEDED, f"topic {self.topic_name} is full")
+        return receipt, full
+
+    def confirmed(self, pending: Pending, error: PublishError | None) -> None:
+        if error is None:
+            self._count(pending.settled)
+            self._answer(pending.accepted, [])
+        else:
+            failure = Error(_CONDITIONS.get(error.kind, RESOURCE_LIMIT_EXCEEDED), error.reason)
+            self._answer([], [(did, False, failure) for did in pending.accepted])
+
+    def _count(self, count: int) -> None:
+        if count:
+            self.pub_counts[self.topic_name] = self.pub_counts.get(self.topic_name, 0) + count
+
+    def _answer(self, accepted: list[int], failures: list[tuple[int, bool, Error]]) -> None:
         link = self.link
-        accepted = [did for did, settled in stored if not settled]
+        if not link.attached:
+            return
         if accepted:
             link.settle(accepted, _ACCEPTED)
         for did, settled, error in failures:
@@ -115,37 +171,3 @@ class LinkPublisher:
                 log.warning("pre-settled message dropped", topic=self.topic_name, error=error.description)
             else:
                 link.settle([did], Rejected(error))
-        self.grant()
-
-    def _store(self, bodies: list[bytes], stored: list[tuple[int, bool]], now_ns: int):
-        """Put what the topic takes; returns failures and trims ``stored`` to what was stored.
-
-        A batch bigger than the room left under a ``reject`` limit is cut:
-        the head is stored, the tail refused.
-        """
-        nsqd = self.nsqd
-        ids = nsqd.guid.new_ids(len(bodies))
-        frames = [message.encode_frame(i, b, now_ns) for i, b in zip(ids, bodies)]
-        count = len(frames)
-        error = None
-        try:
-            topic = nsqd.get_topic(self.topic_name)
-            try:
-                topic.put_chunk(ids, frames, sum(len(b) for b in bodies))
-            except QueueFull as exc:
-                error = Error(RESOURCE_LIMIT_EXCEEDED, str(exc))
-                count = max(min(topic.room() or 0, count), 0)
-                if count:
-                    topic.put_chunk(ids[:count], frames[:count], sum(len(b) for b in bodies[:count]))
-        except QueueFull as exc:
-            count, error = 0, Error(RESOURCE_LIMIT_EXCEEDED, str(exc))
-        except ChannelExiting as exc:
-            count, error = 0, Error(RESOURCE_DELETED, f"cannot publish: {exc}")
-        except Exception as exc:  # a disk failure: refuse the batch, keep the link
-            log.error("publish failed", topic=self.topic_name, error=repr(exc))
-            count, error = 0, Error(INTERNAL_ERROR, f"failed to store the message: {exc}")
-        if count:
-            self.pub_counts[self.topic_name] = self.pub_counts.get(self.topic_name, 0) + count
-        failed = stored[count:]
-        del stored[count:]
-        return [(did, settled, error) for did, settled in failed]

@@ -4,8 +4,9 @@ A bare message is a sequence of sections: header, delivery-annotations,
 message-annotations, properties, application-properties, a body (data
 sections, amqp-sequence sections or one amqp-value), footer.
 :func:`encode_message` and :func:`decode_message` build and read whole
-messages; :func:`message_body` finds only the body, skipping every other
-section without decoding it (the gateway's publish path).
+messages; :func:`message_body` finds only the body (and whether the
+header asks for a durable message), skipping every other section without
+decoding it (the gateway's publish path).
 """
 
 from __future__ import annotations
@@ -151,27 +152,29 @@ def decode_message(payload: bytes) -> Message:
 _U32 = struct.Struct(">I")
 
 
-def message_body(payload: bytes) -> bytes:
-    """The body bytes of a message: its data sections joined, or a binary or string amqp-value.
+def message_body(payload: bytes) -> tuple[bytes, bool]:
+    """The body bytes of a message (its data sections joined, or a binary or string
+    amqp-value) and whether its header says ``durable``.
 
     Other sections are skipped undecoded. Raises :class:`DecodeError` for a
     malformed message, a body of another type (amqp-sequence, a non-binary
     value) or a message without a body.
     """
     try:
-        data, value = _scan_body(payload)
+        data, value, durable = _scan_body(payload)
     except (IndexError, struct.error):
         raise DecodeError("truncated message") from None
     except _Unusual:
         msg = decode_message(payload)
         data = [s.value for s in msg.body if isinstance(s, Data)]
         value = next((s.value for s in msg.body if isinstance(s, AmqpValue)), None)
+        durable = msg.header is not None and bool(msg.header.durable)
     if data:
-        return data[0] if len(data) == 1 else b"".join(data)
+        return (data[0] if len(data) == 1 else b"".join(data)), durable
     if isinstance(value, bytes):
-        return value
+        return value, durable
     if isinstance(value, str):
-        return value.encode()
+        return value.encode(), durable
     raise DecodeError("the message body must be data sections or a binary or string amqp-value")
 
 
@@ -179,11 +182,12 @@ class _Unusual(Exception):
     """A section encoded in a form the fast scan does not handle (a long descriptor)."""
 
 
-def _scan_body(payload: bytes) -> tuple[list[bytes], Any]:
+def _scan_body(payload: bytes) -> tuple[list[bytes], Any, bool]:
     pos = 0
     end = len(payload)
     data: list[bytes] = []
     value = None
+    durable = False
     while pos < end:
         if payload[pos] != 0:
             raise DecodeError("message section is not a described value")
@@ -207,8 +211,11 @@ def _scan_body(payload: bytes) -> tuple[list[bytes], Any]:
             data.append(payload[start:pos])
         elif code == AMQP_VALUE:
             value, pos = codec.decode(payload, pos)
-        elif HEADER <= code <= FOOTER:
+        elif code == HEADER:
+            fields, pos = codec.decode(payload, pos)
+            durable = isinstance(fields, list) and bool(fields) and fields[0] is True
+        elif HEADER < code <= FOOTER:
             pos = codec.skip(payload, pos)
         else:
             raise DecodeError(f"unknown message section 0x{code:02x}")
-    return data, value
+    return data, value, durable

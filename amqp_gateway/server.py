@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import structlog
 import trio
 
+from nsqd.broker import PublishError
 from nsqd.options import split_host_port
 from nsqd.tcp import peer_address
 from nsqd.write_turn import WriteTurn
@@ -146,15 +147,34 @@ class Driver:
             if not data:
                 return
             gateway.receive_data(data, self.nsqd.now_ns())
-            while gateway.auth_pending:
-                await self._flush(wait=True)  # answers to what came before need not wait for the auth servers
-                state = await auth.query(self.nsqd, gateway.remote_address, gateway.auth_secret)
-                gateway.auth_done(state, self.nsqd.now_ns())
+            while gateway.auth_pending or gateway.pending:
+                await self._confirm()
+                if gateway.auth_pending:
+                    await self._flush(wait=True)  # answers to what came before need not wait for the auth servers
+                    state = await auth.query(self.nsqd, gateway.remote_address, gateway.auth_secret)
+                    gateway.auth_done(state, self.nsqd.now_ns())
             if engine.peer_idle_timeout and not self._heartbeats:
                 self._heartbeats = True
                 self._lot.unpark_all()  # the pump learns the peer's heartbeat interval
             await self._flush(wait=True)
         await self._linger()
+
+    async def _confirm(self) -> None:
+        """Wait for the receipts of durable publishes, then let their deliveries be accepted.
+
+        Nothing more is read meanwhile; the pump keeps delivering to the
+        connection's receiving links.
+        """
+        gateway = self.gateway
+        while gateway.pending:
+            pending, gateway.pending = gateway.pending, []
+            for item in pending:
+                try:
+                    await item.receipt.wait()
+                except PublishError as exc:
+                    item.done(exc)
+                else:
+                    item.done(None)
 
     async def say_goodbye(self) -> None:
         """A connection we end without a close of its own (shutdown, a failure) still gets one."""

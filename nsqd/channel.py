@@ -1,99 +1,90 @@
 """A channel: one consumer group's copy of a topic's message stream.
 
 Where each message of the channel is, exactly one of:
-- memory: a deque of chunks ``(ids, frames)``. A chunk is usually one whole
-  publish (an MPUB) and is shared, never mutated, by every channel of the
-  topic; ``_head`` counts what the channel has already taken of the first one.
-  Bounded by ``mem_queue_size`` messages; what does not fit spills to disk.
-- disk: the channel's :class:`~nsqd.diskq.DiskQueue` (none for ephemeral
-  channels, whose overflow is dropped and counted, as in nsqd).
-- in flight: in the :class:`~nsqd.in_flight.InFlight` map of the consumer it
-  was sent to, until FIN, REQ, timeout or the consumer leaves (then it goes back
-  to the head of the queue at once, in its original order); or, when it was
-  delivered under a lease, in that :class:`Lease`'s map, which outlives the
-  connection.
+- memory: a deque of pieces ``(ids, frames, positions)``. A piece is usually
+  one whole publish (an MPUB) and is shared, never mutated, by every channel
+  of the topic; ``_head`` counts what the channel has already taken of the
+  first one. Bounded by ``mem_queue_size`` messages; what does not fit goes
+  to disk.
+- disk, unread: the channel's :class:`~nsqd.diskq.DiskQueue` (none for
+  ephemeral channels, whose overflow is dropped and counted, as in nsqd).
+- in flight: in the :class:`~nsqd.in_flight.InFlight` map of the
+  :class:`~nsqd.subscription.Subscription` it was sent to, or of a lease
+  (:mod:`nsqd.leases`), until FIN, REQ, timeout or the subscription leaves
+  (then it goes back to the head of the queue at once, in its original order).
 - deferred: a heap ordered by due time (DPUB, REQ with a delay). Past
-  ``mem_queue_size`` entries deferred messages spill to disk with their due
-  time and are looked at again when read back.
+  ``mem_queue_size`` entries deferred messages go to disk with their due time
+  and are looked at again when read back.
+
+A message that has a record on disk carries its position (``positions``:
+a list when the messages of a piece are neighbours on disk, a tuple when
+they are not, None for memory-only messages). Reading a record does not
+release it: at every checkpoint the disk queue asks the channel which of its
+records are still unfinished (:meth:`Channel._kept`), so a crash delivers
+them again, with their attempts, due times and leases, instead of losing
+them. Records are written before a publish is confirmed: past the memory
+bound (nsqd's spill, so ``--mem-queue-size=0`` loses nothing on a crash),
+and for durable publishes always (write-through: the message is delivered
+from memory and its record released once finished, never read back).
 
 All counters that describe those places (depth, in-flight, deferred) are
 derived from them. The channel wakes consumers that asked for messages and
-got too few ("hungry") whenever messages arrive, one consumer per batch of
-free capacity, so consumers share the channel's messages.
+got too few ("hungry") whenever messages arrive, one per batch of free
+capacity, so consumers share the channel's messages.
 
-Times are integer nanoseconds from the daemon clock; nothing here does I/O
-beyond the disk queue's buffered calls.
+Times are integer nanoseconds from the daemon clock.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import operator
 from collections import deque
 from itertools import count
-from typing import TYPE_CHECKING, Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Callable
 
 import structlog
 
 from . import message
+from .diskq import DiskQueueError
 from .e2e import LatencyWindow
-from .in_flight import InFlight
+from .in_flight import Item
+from .leases import Leases
+from .policy import ChannelPolicy
+from .subscription import Budget, Consumer, Subscription, keep_sample
 
 if TYPE_CHECKING:
     from .diskq import DiskQueue
 
 log = structlog.get_logger("nsqd.channel")
 
-Chunk = tuple[list[bytes], list[bytes]]
+Piece = tuple[list[bytes], list[bytes], "list[int] | tuple[int, ...] | None"]
 _KIND = operator.itemgetter(slice(4, 8))
 _PLAIN = {message.PLAIN_KIND}
-
-
-class Consumer(Protocol):
-    """What a channel needs of a subscriber (an NSQ client or an AMQP link)."""
-
-    in_flight: InFlight
-
-    def wake(self) -> int:
-        """Ask the consumer to fill; returns how many messages it could take."""
-
-    def messages_timed_out(self, count: int) -> None: ...
-
-    def close(self) -> None:
-        """The channel is being deleted: the consumer must go."""
-
-    def drain(self) -> None:
-        """The daemon is shutting down: finish what you hold, then leave."""
-
-
-class Lease:
-    """Deliveries tagged with one name, settled together from any connection.
-
-    The lease owns its in-flight messages, so they outlive the connection that
-    received them: a stream processor acknowledges a batch after its sink
-    commits, from another process. A sealed lease takes no new messages.
-    """
-
-    __slots__ = ("name", "in_flight", "owner", "sealed", "timeout_ns")
-
-    def __init__(self, name: str, timeout_ns: int) -> None:
-        self.name = name
-        self.in_flight = InFlight()
-        self.owner: Consumer | None = None
-        self.sealed = False
-        self.timeout_ns = timeout_ns
-
-    def renew(self, now_ns: int) -> list[bytes]:
-        """Give every message a fresh deadline; returns their frames in delivery order."""
-        frames = self.in_flight.drain()
-        if frames:
-            self.in_flight.add([message.frame_id(f) for f in frames], frames,
-                               now_ns + self.timeout_ns, now_ns)
-        return frames
+#: the note on the disk records of messages in flight when the channel stopped
+IN_FLIGHT_NOTE = {"i": 1}
+#: records read per step when a recovered channel takes its leases back
+_RESTORE_STEP = 512
 
 
 class ChannelExiting(Exception):
     """The channel is being deleted or the daemon is shutting down."""
+
+
+class PendingPut:
+    """A publish a channel has written to disk (if it needed to) but not yet queued."""
+
+    __slots__ = ("channel", "ids", "frames", "keep", "positions", "mark", "due_ns")
+
+    def __init__(self, channel, ids, frames, keep, positions, mark, due_ns) -> None:
+        self.channel = channel
+        self.ids = ids
+        self.frames = frames
+        self.keep = keep
+        self.positions = positions
+        self.mark = mark
+        self.due_ns = due_ns
 
 
 class Channel:
@@ -104,6 +95,12 @@ class Channel:
         *,
         mem_queue_size: int,
         backend: DiskQueue | None,
+        policy: ChannelPolicy = ChannelPolicy(),
+        overrides: dict | None = None,
+        clock: Callable[[], int] = lambda: 0,
+        lease_timeout_ns: int = 60_000_000_000,
+        dead_letter: Callable[[list[bytes]], None] | None = None,
+        e2e: LatencyWindow | None = None,
         on_last_consumer_gone: Callable[[Channel], None] | None = None,
     ) -> None:
         self.topic_name = topic_name
@@ -111,34 +108,38 @@ class Channel:
         self.ephemeral = name.endswith("#ephemeral")
         self.mem_queue_size = mem_queue_size
         self.backend = backend
+        self.policy = policy
+        #: the policy fields set for this channel alone (the rest follow the topic's channel defaults)
+        self.overrides: dict = dict(overrides or {})
+        self.clock = clock
         self.paused = False
         self.exiting = False
         #: shutdown in progress: nothing more is delivered
         self.draining = False
-        self.consumers: dict[int, Consumer] = {}
+        self.subscriptions: dict[int, Subscription] = {}
         self._on_last_consumer_gone = on_last_consumer_gone
-        self._chunks: deque[Chunk] = deque()
+        self._chunks: deque[Piece] = deque()
         self._head = 0
         self._mem_count = 0
         #: bytes of the frames in memory, kept with ``_mem_count`` by the same code
         self._mem_bytes = 0
-        self._deferred: list[tuple[int, int, bytes]] = []
+        self._deferred: list[tuple[int, int, bytes, int | None]] = []
+        self._deferred_on_disk = 0
         self._seq = count()
-        self._hungry: dict[Consumer, None] = {}
+        self._hungry: dict[Subscription, None] = {}
         self._disk_turn = False
         #: failed deliveries (REQ, timeouts, AMQP delivery-failed) by message id, only
         #: for messages that have any; carried to disk in the record's extension
         self.failed: dict[bytes, int] = {}
-        self.leases: dict[str, Lease] = {}
+        #: disk-backed messages whose attempts or failures changed since their record was written
+        self._revised: dict[int, tuple[int, int]] = {}
+        self.leases = Leases()
+        self.lease_timeout_ns = lease_timeout_ns
+        self._notes = _Notes(())
         #: publish-to-FIN latency, when --e2e-processing-latency-percentile is set
-        self.e2e: LatencyWindow | None = None
-        # policies beyond nsqd (0 = off): set by the topic, changed over HTTP
-        self.max_messages = 0
-        self.max_bytes = 0
-        self.max_attempts = 0
-        self.ttl_ns = 0
+        self.e2e = e2e
         #: where messages that must not be delivered again go (None: dropped)
-        self.dead_letter: Callable[[list[bytes]], None] | None = None
+        self.dead_letter = dead_letter
         # counters, as in nsqd's channel stats
         self.message_count = 0
         self.requeue_count = 0
@@ -147,6 +148,9 @@ class Channel:
         self.rejected_count = 0
         self.dead_letter_count = 0
         self.expired_count = 0
+        if backend is not None:
+            backend.keeper = self._kept
+            self._recover()
 
     # ----------------------------------------------------------- derived stats
     @property
@@ -155,7 +159,9 @@ class Channel:
 
     @property
     def backend_depth(self) -> int:
-        return self.backend.depth if self.backend is not None else 0
+        if self.backend is None:
+            return 0
+        return max(self.backend.depth - self._deferred_on_disk, 0)
 
     @property
     def depth(self) -> int:
@@ -168,226 +174,332 @@ class Channel:
 
     @property
     def in_flight_count(self) -> int:
-        return sum(len(c.in_flight) for c in self.consumers.values()) + sum(
-            len(lease.in_flight) for lease in self.leases.values())
+        return sum(len(s.in_flight) for s in self.subscriptions.values()) + self.leases.in_flight_count
 
     @property
     def deferred_count(self) -> int:
-        return len(self._deferred)
+        return len(self._deferred) + self._deferred_on_disk
 
-    # ------------------------------------------------------------- consumers
-    def add_consumer(self, consumer_id: int, consumer: Consumer, max_consumers: int = 0) -> None:
+    # -------------------------------------------------------- subscriptions
+    def subscribe(self, consumer: Consumer, sub_id: int, budget: Budget, *, msg_timeout_ns: int,
+                  max_msg_timeout_ns: int, max_consumers: int = 0) -> Subscription:
+        """A new subscription; raises ChannelExiting, or ValueError past ``max_consumers``."""
         if self.exiting or self.draining:
             raise ChannelExiting("exiting")
-        if consumer_id in self.consumers:
-            return
-        if max_consumers and len(self.consumers) >= max_consumers:
-            raise ValueError(
-                f"consumers for {self.topic_name}:{self.name} exceeds limit of {max_consumers}"
-            )
-        self.consumers[consumer_id] = consumer
+        if max_consumers and len(self.subscriptions) >= max_consumers:
+            raise ValueError(f"consumers for {self.topic_name}:{self.name} exceeds limit of {max_consumers}")
+        sub = Subscription(self, consumer, sub_id, budget, msg_timeout_ns, max_msg_timeout_ns)
+        self.subscriptions[sub_id] = sub
+        return sub
 
-    def remove_consumer(self, consumer_id: int) -> None:
-        """Forget a consumer; its unfinished messages go back to the head of the queue."""
-        consumer = self.consumers.pop(consumer_id, None)
-        if consumer is None:
+    def unsubscribe(self, sub: Subscription) -> None:
+        """Forget a subscription; its unfinished messages go back to the head of the queue."""
+        if self.subscriptions.pop(sub.id, None) is None:
             return
-        self._hungry.pop(consumer, None)
-        lease = getattr(consumer, "lease", None)
-        if lease is not None:
-            self.seal_lease(lease)
-        frames = consumer.in_flight.drain()
-        if frames and not self.exiting:
-            self.requeue_count += len(frames)
-            self._give_back(frames)
-        if not self.consumers and self.ephemeral and self._on_last_consumer_gone is not None:
+        self._hungry.pop(sub, None)
+        for lease in list(sub.leases):
+            self.leases.release_holder(lease)
+        sub.lease = None
+        items = sub.in_flight.drain()
+        if items and not self.exiting:
+            self.requeue_count += len(items)
+            self._give_back(items)
+        if not self.subscriptions and self.ephemeral and self._on_last_consumer_gone is not None:
             self._on_last_consumer_gone(self)
 
+    def holds_elsewhere(self, msg_id: bytes, sub: Subscription) -> bool:
+        """Whether another subscription or a lease holds ``msg_id`` (FIN's "does not own")."""
+        for other in self.subscriptions.values():
+            if other is not sub and msg_id in other.in_flight:
+                return True
+        return any(msg_id in lease.in_flight for lease in self.leases)
+
     # --------------------------------------------------------------- putting
-    def put_chunk(self, ids: list[bytes], frames: list[bytes]) -> None:
-        """Queue a published batch; it is shared with other channels, never mutated."""
+    def prepare_put(self, ids: list[bytes], frames: list[bytes], durable: bool, due_ns: int = 0) -> PendingPut:
+        """Write what must be on disk before the publish is confirmed; nothing is queued yet.
+
+        Raises DiskQueueError (nothing of this publish stays) if it cannot be
+        written. A durable publish is written whole; the part that fits in
+        memory is kept there too when the disk holds nothing unread, so it is
+        delivered from memory and never read back. Otherwise what does not fit
+        in memory goes to disk (nsqd's spill).
+        """
+        backend = self.backend
         n = len(frames)
+        if due_ns:
+            return self._prepare_deferred(ids, frames, durable, due_ns)
+        room = max(self.mem_queue_size - self._mem_count, 0)
+        if backend is None:
+            return PendingPut(self, ids, frames, min(n, room), None, None, 0)
+        mark = backend.mark()
+        if durable:
+            if backend.depth == 0:
+                keep = min(n, room)
+                positions = backend.put_held(frames, hold=keep)
+                return PendingPut(self, ids, frames, keep, positions, mark, 0)
+            backend.put_many(frames)
+            return PendingPut(self, ids, frames, 0, None, mark, 0)
+        keep = min(n, room)
+        if keep < n:
+            backend.put_many(frames[keep:] if keep else frames)
+        return PendingPut(self, ids, frames, keep, None, mark if keep < n else None, 0)
+
+    def _prepare_deferred(self, ids, frames, durable, due_ns) -> PendingPut:
+        backend = self.backend
+        room = max(max(self.mem_queue_size, 1) - len(self._deferred), 0)
+        keep = min(len(frames), room)
+        if backend is None:
+            return PendingPut(self, ids, frames, keep, None, None, due_ns)
+        mark = backend.mark()
+        records = [message.to_disk(f, due_ns=due_ns) for f in frames]
+        if durable and backend.depth == 0:
+            positions = backend.put_held(records, hold=keep)
+            return PendingPut(self, ids, frames, keep, positions, mark, due_ns)
+        if durable:
+            keep = 0
+        if keep < len(frames):
+            backend.put_many(records[keep:])
+            return PendingPut(self, ids, frames, keep, None, mark, due_ns)
+        return PendingPut(self, ids, frames, keep, None, None, due_ns)
+
+    def abort_put(self, put: PendingPut) -> None:
+        """Take back what :meth:`prepare_put` wrote (another channel could not take the publish)."""
+        if put.mark is not None:
+            self.backend.undo(put.mark)
+
+    def commit_put(self, put: PendingPut) -> None:
+        """Queue a prepared publish; it is shared with other channels, never mutated."""
+        n = len(put.frames)
         self.message_count += n
-        room = self.mem_queue_size - self._mem_count
-        if n <= room:
-            self._chunks.append((ids, frames))
-            self._mem_count += n
+        keep = put.keep
+        if put.due_ns:
+            self._deferred_on_disk += n - keep
+            positions = put.positions
+            for i in range(keep):
+                heapq.heappush(self._deferred, (put.due_ns, next(self._seq), put.frames[i],
+                                                None if positions is None else positions[i]))
+            return
+        if keep:
+            ids, frames = put.ids, put.frames
+            positions = put.positions
+            if keep < n:
+                ids, frames = ids[:keep], frames[:keep]
+                positions = None if positions is None else positions[:keep]
+            self._chunks.append((ids, frames, positions))
+            self._mem_count += keep
             self._mem_bytes += sum(map(len, frames))
-        else:
-            if room > 0:
-                self._chunks.append((ids[:room], frames[:room]))
-                self._mem_count += room
-                self._mem_bytes += sum(map(len, frames[:room]))
-                frames = frames[room:]
-            self._spill(frames)
+        if self.backend is None and keep < n:
+            self.dropped_count += n - keep
+            log.warning("ephemeral channel full, dropping", channel=self.name, topic=self.topic_name,
+                        dropped=n - keep)
         self._wake(n)
 
-    def put_deferred(self, frame: bytes, due_ns: int) -> None:
-        self.message_count += 1
-        self._defer(frame, due_ns)
+    def put_chunk(self, ids: list[bytes], frames: list[bytes], durable: bool = False) -> None:
+        """Prepare and commit in one step (one channel, or a caller with no other channel to roll back)."""
+        self.commit_put(self.prepare_put(ids, frames, durable))
 
-    def _defer(self, frame: bytes, due_ns: int) -> None:
-        if len(self._deferred) >= max(self.mem_queue_size, 1) and self.backend is not None:
-            failed = self.failed.pop(message.frame_id(frame), 0) if self.failed else 0
-            self.backend.put(message.to_disk(frame, due_ns=due_ns, failed=failed))
-            return
-        heapq.heappush(self._deferred, (due_ns, next(self._seq), frame))
-
-    def _spill(self, frames: list[bytes]) -> None:
-        if self.backend is None:
-            self.dropped_count += len(frames)
-            log.warning("ephemeral channel full, dropping", channel=self.name, topic=self.topic_name,
-                        dropped=len(frames))
-            return
-        self.backend.put_many(frames)  # a plain frame is its own disk payload
-
-    def _push_front(self, frames: list[bytes]) -> None:
+    def _push_front(self, items: list[Item]) -> None:
         """Requeued messages go to the head of the queue so they are retried first."""
         if self._head:
-            ids0, frames0 = self._chunks[0]
-            self._chunks[0] = (ids0[self._head:], frames0[self._head:])
+            ids0, frames0, positions0 = self._chunks[0]
+            self._chunks[0] = (ids0[self._head:], frames0[self._head:],
+                               None if positions0 is None else positions0[self._head:])
             self._head = 0
-        self._chunks.appendleft((list(map(message.frame_id_of, frames)), frames))
-        self._mem_count += len(frames)
-        self._mem_bytes += sum(map(len, frames))
+        for piece in reversed(_pieces(items)):
+            self._chunks.appendleft(piece)
+            self._mem_count += len(piece[0])
+            self._mem_bytes += sum(map(len, piece[1]))
 
     def _wake(self, n: int) -> None:
         hungry = self._hungry
         while hungry and n > 0:
-            consumer = next(iter(hungry))
-            del hungry[consumer]
-            n -= max(consumer.wake(), 1)
+            sub = next(iter(hungry))
+            del hungry[sub]
+            sub.consumer.wake()
+            n -= max(sub.room(n), 1)
 
     def wake_all(self) -> None:
-        for consumer in list(self.consumers.values()):
-            consumer.wake()
+        for sub in list(self.subscriptions.values()):
+            sub.consumer.wake()
 
     # --------------------------------------------------------------- taking
-    def take(self, n: int, consumer: Consumer, now_ns: int) -> list[Chunk]:
-        """Up to ``n`` messages for ``consumer`` as chunk slices.
+    def take(self, n: int, sub: Subscription, now_ns: int) -> list[Piece]:
+        """Up to ``n`` messages for ``sub`` as chunk slices (the subscription records them).
 
-        A consumer that gets fewer than it asked for is remembered as hungry and
-        woken when messages arrive. Memory and disk take turns when both hold
-        messages, so neither starves (nsqd gives no ordering guarantee either).
-        Messages past the channel's TTL are dropped here, never delivered.
+        A subscription that gets fewer than it asked for is remembered as
+        hungry and woken when messages arrive. Memory and disk take turns when
+        both hold messages, so neither starves (nsqd gives no ordering
+        guarantee either). Messages past the channel's TTL are dropped here,
+        never delivered.
         """
-        pieces: list[Chunk] = []
+        pieces: list[Piece] = []
         if self.paused or self.exiting or self.draining:
             return pieces
         want = n
+        ttl_ns = self.policy.ttl_ns
         while True:
-            batch: list[Chunk] = []
+            batch: list[Piece] = []
             taken = self._take_some(want, batch, now_ns)
             got = taken
-            if self.ttl_ns and taken:
-                batch = self._unexpired(batch, now_ns - self.ttl_ns)
-                got = sum(len(ids) for ids, _ in batch)
+            if ttl_ns and taken:
+                batch = self._unexpired(batch, now_ns - ttl_ns)
+                got = sum(len(ids) for ids, _, _ in batch)
             pieces += batch
             want -= got
             if got == taken or want <= 0:  # nothing expired, or enough
                 break
         if want > 0:
-            self._hungry[consumer] = None
+            self._hungry[sub] = None
         return pieces
 
-    def _take_some(self, want: int, pieces: list[Chunk], now_ns: int) -> int:
+    def _take_some(self, want: int, pieces: list[Piece], now_ns: int) -> int:
         taken = 0
+        backend = self.backend
         disk_first = self._disk_turn = not self._disk_turn
-        if disk_first and self.backend is not None and self.backend.depth:
+        if disk_first and backend is not None and backend.depth:
             taken += self._take_disk(want, pieces, now_ns)
         if want > taken and self._mem_count:
             taken += self._take_memory(want - taken, pieces)
-        if want > taken and self.backend is not None and self.backend.depth:
+        if want > taken and backend is not None and backend.depth:
             taken += self._take_disk(want - taken, pieces, now_ns)
         return taken
 
-    def _unexpired(self, pieces: list[Chunk], cutoff_ns: int) -> list[Chunk]:
+    def _unexpired(self, pieces: list[Piece], cutoff_ns: int) -> list[Piece]:
         """Drop (and count) messages published before ``cutoff_ns``: never delivered."""
-        kept: list[Chunk] = []
-        for ids, frames in pieces:
+        kept: list[Piece] = []
+        for ids, frames, positions in pieces:
             fresh = [i for i, f in enumerate(frames) if message.frame_timestamp(f) >= cutoff_ns]
             if len(fresh) == len(frames):
-                kept.append((ids, frames))
+                kept.append((ids, frames, positions))
                 continue
             self.expired_count += len(frames) - len(fresh)
             if self.failed:
                 kept_ids = {ids[i] for i in fresh}
                 self.forget([i for i in ids if i not in kept_ids])
             if fresh:
-                kept.append(([ids[i] for i in fresh], [frames[i] for i in fresh]))
+                kept.append(([ids[i] for i in fresh], [frames[i] for i in fresh],
+                             None if positions is None else tuple(positions[i] for i in fresh)))
         return kept
 
-    def _take_memory(self, n: int, pieces: list[Chunk]) -> int:
+    def _take_memory(self, n: int, pieces: list[Piece]) -> int:
         taken = 0
         chunks = self._chunks
         while taken < n and chunks:
-            ids, frames = chunks[0]
+            ids, frames, positions = chunks[0]
             start = self._head
             end = start + n - taken
             if end >= len(ids):
                 if start:
                     ids, frames = ids[start:], frames[start:]
+                    positions = None if positions is None else positions[start:]
                 chunks.popleft()
                 self._head = 0
             else:
                 ids, frames = ids[start:end], frames[start:end]
+                positions = None if positions is None else positions[start:end]
                 self._head = end
-            pieces.append((ids, frames))
+            pieces.append((ids, frames, positions))
             taken += len(ids)
             self._mem_bytes -= sum(map(len, frames))
         self._mem_count -= taken
         return taken
 
-    def _take_disk(self, n: int, pieces: list[Chunk], now_ns: int) -> int:
-        payloads = self.backend.read_many(n)
-        if set(map(_KIND, payloads)) <= _PLAIN:  # all frames as stored: used as they are
+    def _take_disk(self, n: int, pieces: list[Piece], now_ns: int) -> int:
+        try:
+            payloads, positions = self.backend.read_positioned(n)
+        except DiskQueueError as exc:
+            log.error("cannot read the channel's disk queue", channel=self.name, topic=self.topic_name,
+                      error=str(exc))
+            return 0
+        if not self._notes and set(map(_KIND, payloads)) <= _PLAIN:  # frames as stored: used as they are
             if payloads:
-                pieces.append((list(map(message.frame_id_of, payloads)), payloads))
+                pieces.append((list(map(message.frame_id_of, payloads)), payloads, positions))
             return len(payloads)
         frames: list[bytes] = []
-        plain = message.PLAIN_KIND
-        for payload in payloads:
-            if payload[4:8] == plain:
-                frames.append(payload)
-                continue
-            try:
-                frame, due_ns, failed = message.from_disk(payload)
-            except message.BadRecord as exc:
-                self.dropped_count += 1
-                log.error("undecodable message on disk", channel=self.name, topic=self.topic_name,
-                          error=str(exc))
-                continue
-            if failed:
-                self.failed[message.frame_id(frame)] = failed
-            if due_ns > now_ns:
-                self._defer(frame, due_ns)
-            else:
-                frames.append(frame)
+        kept: list[int] = []
+        for payload, pos in zip(payloads, positions):
+            item = self._decode(payload, pos, now_ns)
+            if item is not None:
+                frames.append(item)
+                kept.append(pos)
         if frames:
-            pieces.append((list(map(message.frame_id_of, frames)), frames))
+            pieces.append((list(map(message.frame_id_of, frames)), frames,
+                           kept if len(kept) == len(positions) else tuple(kept)))
         return len(frames)
 
+    def _decode(self, payload: bytes, pos: int, now_ns: int) -> bytes | None:
+        """A read record as a frame to deliver now; None if it is deferred, held or undecodable."""
+        try:
+            frame, due_ns, failed = message.from_disk(payload)
+        except message.BadRecord as exc:
+            self.dropped_count += 1
+            log.error("undecodable message on disk", channel=self.name, topic=self.topic_name, error=str(exc))
+            return None
+        if due_ns:
+            self._deferred_on_disk = max(self._deferred_on_disk - 1, 0)
+        note = self._notes.at(pos) if self._notes else None
+        if note:
+            frame, due_ns, failed = self._apply_note(frame, pos, note, due_ns, failed)
+        if failed:
+            self.failed[message.frame_id(frame)] = failed
+        if due_ns > now_ns:
+            self._defer(frame, due_ns, pos)
+            return None
+        return frame
+
+    def _apply_note(self, frame: bytes, pos: int, note: dict, due_ns: int, failed: int):
+        attempts = note.get("a", message.frame_attempts(frame)) + note.get("i", 0)
+        if attempts != message.frame_attempts(frame):
+            frame = message.with_attempts(frame, attempts)
+        failed = note.get("f", failed)
+        if attempts > 1 or failed:
+            self._revised[pos] = (attempts, failed)
+        return frame, note.get("d", due_ns), failed
+
+    def sample(self, pieces: list[Piece], rate: int) -> list[Piece]:
+        """nsqd's sample_rate: keep about ``rate`` percent; the rest are dropped for the channel."""
+        kept, dropped = keep_sample(pieces, rate)
+        for ids, _, _ in dropped:
+            if self.failed:
+                self.forget(ids)
+        return kept
+
     # ------------------------------------------------------- consumer verbs
-    def requeue(self, frame: bytes, delay_ns: int, now_ns: int, *, failed: bool = True,
-                count_attempt: bool = True) -> None:
+    def requeue(self, item: Item, delay_ns: int, now_ns: int, *, count_attempt: bool = True) -> None:
         """A consumer gave a message back; it was already removed from in-flight.
 
         NSQ's REQ counts the delivery (attempts) and a failed delivery; an AMQP
         ``released`` counts neither.
         """
+        frame, pos = item
         self.requeue_count += 1
         if count_attempt:
             if self._exhausted(frame):
                 self._dead_letter([frame])
                 return
             frame = message.next_attempt(frame)
-        if failed:
             self.count_failure(message.frame_id(frame))
+            self._revise(frame, pos)
         if delay_ns > 0:
-            self._defer(frame, now_ns + delay_ns)
+            self._defer(frame, now_ns + delay_ns, pos)
         else:
-            self._push_front([frame])
+            self._push_front([(frame, pos)])
             self._wake(1)
+
+    def requeue_many(self, items: list[Item], now_ns: int, *, count_attempt: bool) -> None:
+        """Give several back at once; the first is delivered first again."""
+        if count_attempt:
+            for item in reversed(items):
+                self.requeue(item, 0, now_ns)
+            return
+        self.requeue_count += len(items)
+        if items:
+            self._push_front(items)
+            self._wake(len(items))
+
+    def _revise(self, frame: bytes, pos: int | None) -> None:
+        if pos is not None:
+            self._revised[pos] = (message.frame_attempts(frame), self.failed.get(message.frame_id(frame), 0))
 
     def count_failure(self, msg_id: bytes) -> None:
         self.failed[msg_id] = self.failed.get(msg_id, 0) + 1
@@ -398,25 +510,29 @@ class Channel:
         for msg_id in ids:
             pop(msg_id, None)
 
-    def reject(self, frame: bytes) -> None:
+    def reject(self, item: Item) -> None:
         """A consumer refused a message for good: it goes to the dead-letter topic."""
         self.rejected_count += 1
-        self._dead_letter([frame])
+        self._dead_letter([item[0]])
 
     def _exhausted(self, frame: bytes) -> bool:
         """The message has had all the deliveries ``max_attempts`` allows."""
-        return bool(self.max_attempts) and message.frame_attempts(frame) >= self.max_attempts
+        max_attempts = self.policy.max_attempts
+        return bool(max_attempts) and message.frame_attempts(frame) >= max_attempts
 
-    def _give_back(self, frames: list[bytes]) -> None:
+    def _give_back(self, items: list[Item]) -> None:
         """Delivered messages back to the head of the queue, or to the dead letters."""
-        if self.max_attempts:
-            dead = [f for f in frames if self._exhausted(f)]
+        if self.policy.max_attempts:
+            dead = [frame for frame, _ in items if self._exhausted(frame)]
             if dead:
                 self._dead_letter(dead)
-                frames = [f for f in frames if not self._exhausted(f)]
-        if frames:
-            self._push_front([message.next_attempt(f) for f in frames])
-            self._wake(len(frames))
+                items = [item for item in items if not self._exhausted(item[0])]
+        if items:
+            back = [(message.next_attempt(frame), pos) for frame, pos in items]
+            for frame, pos in back:
+                self._revise(frame, pos)
+            self._push_front(back)
+            self._wake(len(items))
 
     def _dead_letter(self, frames: list[bytes]) -> None:
         self.dead_letter_count += len(frames)
@@ -427,124 +543,80 @@ class Channel:
             return
         self.dead_letter(frames)
 
-    def drop_oldest(self, count: int, now_ns: int) -> None:
+    def drop_oldest(self, count_: int) -> None:
         """Make room under the drop-oldest policy: the head of the queue goes first."""
-        pieces: list[Chunk] = []
-        dropped = self._take_memory(min(count, self._mem_count), pieces)
-        if dropped < count and self.backend is not None:
-            dropped += len(self.backend.read_many(count - dropped))
+        pieces: list[Piece] = []
+        dropped = self._take_memory(min(count_, self._mem_count), pieces)
+        if dropped < count_ and self.backend is not None:
+            try:
+                dropped += len(self.backend.read_many(count_ - dropped))
+            except DiskQueueError as exc:
+                log.error("cannot drop from the channel's disk queue", channel=self.name, error=str(exc))
         self.dropped_count += dropped
         if self.failed:
-            self.forget([i for ids, _ in pieces for i in ids])
+            self.forget([i for ids, _, _ in pieces for i in ids])
 
-    # ---------------------------------------------------------------- leases
-    def open_lease(self, name: str, consumer: Consumer, now_ns: int, timeout_ns: int) -> tuple[Lease, list[bytes]]:
-        """Tag the consumer's next deliveries with lease ``name``.
-
-        Reopening a live lease hands over exactly its messages again (returned,
-        to be resent) and takes no new ones: the lease is sealed.
-        """
-        lease = self.leases.get(name)
-        if lease is None:
-            lease = self.leases[name] = Lease(name, timeout_ns)
-            resend: list[bytes] = []
-        else:
-            lease.sealed = True
-            resend = lease.renew(now_ns)
-        lease.owner = consumer
-        return lease, resend
-
-    def seal_lease(self, lease: Lease) -> None:
-        """The lease's owner moved on: the lease keeps its messages and takes no more."""
-        lease.owner = None
-        lease.sealed = True
-        if not lease.in_flight and self.leases.get(lease.name) is lease:
-            del self.leases[lease.name]
-
-    def finish_lease(self, name: str) -> int:
-        lease = self.leases.pop(name, None)
-        if lease is None:
-            return 0
-        ids = list(lease.in_flight.map)
-        lease.in_flight.map.clear()
-        if self.failed:
-            self.forget(ids)
-        self._release_owner(lease)
-        return len(ids)
-
-    def touch_lease(self, name: str, now_ns: int) -> int:
-        lease = self.leases.get(name)
-        if lease is None:
-            return 0
-        lease.renew(now_ns)
-        return len(lease.in_flight)
-
-    def requeue_lease(self, name: str, delay_ns: int, now_ns: int) -> int:
-        lease = self.leases.pop(name, None)
-        if lease is None:
-            return 0
-        frames = lease.in_flight.drain()
-        self._release_owner(lease)
-        for frame in frames:
-            self.requeue(frame, delay_ns, now_ns)
-        return len(frames)
-
-    def _release_owner(self, lease: Lease) -> None:
-        owner = lease.owner
-        lease.owner = None
-        lease.sealed = True
-        if owner is not None:
-            owner.wake()
+    def _defer(self, frame: bytes, due_ns: int, pos: int | None) -> None:
+        backend = self.backend
+        if len(self._deferred) >= max(self.mem_queue_size, 1) and backend is not None:
+            failed = self.failed.pop(message.frame_id(frame), 0) if self.failed else 0
+            try:
+                backend.put(message.to_disk(frame, due_ns=due_ns, failed=failed))
+            except DiskQueueError as exc:  # a full disk: the heap goes past its bound rather than lose it
+                log.error("deferred message kept in memory", channel=self.name, error=str(exc))
+            else:
+                self._deferred_on_disk += 1
+                return
+        heapq.heappush(self._deferred, (due_ns, next(self._seq), frame, pos))
 
     # ------------------------------------------------------------ queue scan
     def process_in_flight(self, now_ns: int) -> bool:
         """Requeue every timed-out message; True if there was any."""
         dirty = False
-        for consumer in list(self.consumers.values()):
-            frames = consumer.in_flight.expire(now_ns)
-            if frames:
+        for sub in list(self.subscriptions.values()):
+            items = sub.in_flight.expire(now_ns)
+            if items:
                 dirty = True
-                consumer.messages_timed_out(len(frames))
-                self._timed_out(frames)
-                consumer.wake()
-        for lease in list(self.leases.values()):
-            frames = lease.in_flight.expire(now_ns)
-            if frames:
-                dirty = True
-                self._timed_out(frames)
-            if not lease.in_flight and (lease.sealed or frames):
-                self.leases.pop(lease.name, None)
-                self._release_owner(lease)
+                sub.timeout_count += len(items)
+                sub.consumer.timed_out(len(items))
+                self._timed_out(items)
+                sub.consumer.wake()
+        items = self.leases.expire(now_ns)
+        if items:
+            dirty = True
+            self._timed_out(items)
         if dirty:
             self._wake(self._mem_count)
         return dirty
 
-    def _timed_out(self, frames: list[bytes]) -> None:
-        self.timeout_count += len(frames)
-        for frame in frames:
+    def _timed_out(self, items: list[Item]) -> None:
+        self.timeout_count += len(items)
+        for frame, _ in items:
             self.count_failure(message.frame_id(frame))
-        self._give_back(frames)
+        self._give_back(items)
 
     def process_deferred(self, now_ns: int) -> bool:
         """Move deferred messages that are due to the queue; True if there was any."""
         deferred = self._deferred
         if not deferred or deferred[0][0] > now_ns:
             return False
-        due = []
+        due: list[Item] = []
         while deferred and deferred[0][0] <= now_ns:
-            due.append(heapq.heappop(deferred)[2])
-        room = self.mem_queue_size - self._mem_count
-        if len(due) > room and self.backend is not None:
-            self._spill(due[max(room, 0):])
-            due = due[:max(room, 0)]
-        if due:
-            self._chunks.append((list(map(message.frame_id_of, due)), due))
-            self._mem_count += len(due)
-            self._mem_bytes += sum(map(len, due))
+            _, _, frame, pos = heapq.heappop(deferred)
+            due.append((frame, pos))
+        for ids, frames, positions in _pieces(due):
+            self._chunks.append((ids, frames, positions))
+            self._mem_count += len(ids)
+            self._mem_bytes += sum(map(len, frames))
         self._wake(self._mem_count)
         return True
 
     # ------------------------------------------------------------- admin
+    def set_policy(self, policy: ChannelPolicy, overrides: dict | None = None) -> None:
+        self.policy = policy
+        if overrides is not None:
+            self.overrides = dict(overrides)
+
     def pause(self) -> None:
         self.paused = True
 
@@ -558,40 +630,188 @@ class Channel:
         self._head = 0
         self._mem_count = self._mem_bytes = 0
         self._deferred.clear()
-        for consumer in self.consumers.values():
-            consumer.in_flight.map.clear()
-        for lease in list(self.leases.values()):
-            lease.in_flight.map.clear()
-            self._release_owner(lease)
+        self._deferred_on_disk = 0
+        for sub in self.subscriptions.values():
+            sub.in_flight.map.clear()
         self.leases.clear()
         self.failed.clear()
+        self._revised.clear()
         if self.backend is not None:
             self.backend.empty()
 
-    def persistable(self) -> Iterable[bytes]:
-        """Disk payloads for everything held in memory, for an orderly shutdown.
+    # -------------------------------------------------------- durability
+    def _kept(self) -> tuple[list, int]:
+        """The disk records of unfinished messages, for the disk queue's checkpoint.
 
-        In-flight messages come first (they were delivered before anything still
-        queued), then the memory queue, then deferred messages with due times.
+        Queued messages, messages in flight (noted, so a restart counts the
+        delivery), deferred ones (noted with their due time) and leased ones
+        (noted with the lease); messages whose attempts or failures changed
+        get a note of their own.
         """
-        failed = self.failed
-        in_flight = [f for c in self.consumers.values() for f in c.in_flight.drain()]
-        in_flight += [f for lease in self.leases.values() for f in lease.in_flight.drain()]
-        for frame in in_flight:
-            yield message.to_disk(message.next_attempt(frame), failed=failed.get(message.frame_id(frame), 0))
-        first = True
-        for ids, frames in self._chunks:
-            start = self._head if first else 0
-            first = False
-            if failed:
-                for frame in frames[start:]:
-                    yield message.to_disk(frame, failed=failed.get(message.frame_id(frame), 0))
+        out: list = []
+        held = 0
+        head = self._head
+        for index, (_, _, positions) in enumerate(self._chunks):
+            if positions is None:
+                continue
+            start = head if index == 0 else 0
+            if start >= len(positions):
+                continue
+            held += len(positions) - start
+            if type(positions) is list:
+                out.append((positions[start], positions[-1], None))
             else:
-                yield from frames[start:]
-        for due_ns, _, frame in sorted(self._deferred):
-            yield message.to_disk(frame, due_ns=due_ns, failed=failed.get(message.frame_id(frame), 0))
-        self._chunks.clear()
-        self._head = self._mem_count = self._mem_bytes = 0
-        self._deferred.clear()
-        self.leases.clear()
-        self.failed.clear()
+                out += [(pos, pos, None) for pos in positions[start:]]
+        for sub in self.subscriptions.values():
+            runs, n = sub.in_flight.kept(IN_FLIGHT_NOTE)
+            out += runs
+            held += n
+        runs, _ = self.leases.kept()  # not counted: reserved records are never read back
+        out += runs
+        for due_ns, _, _, pos in self._deferred:
+            if pos is not None:
+                out.append((pos, pos, {"d": due_ns}))
+                held += 1
+        if self._revised:
+            out += self._revised_notes(out)
+        return out, held
+
+    def _revised_notes(self, live: list) -> list:
+        """Notes for revised messages still unfinished; the others leave the table."""
+        firsts = sorted((first, last) for first, last, _ in live)
+        starts = [first for first, _ in firsts]
+        notes = []
+        for pos, (attempts, failed) in list(self._revised.items()):
+            index = bisect.bisect_right(starts, pos) - 1
+            if index >= 0 and pos <= firsts[index][1]:
+                note = {"a": attempts}
+                if failed:
+                    note["f"] = failed
+                notes.append((pos, pos, note))
+            else:
+                del self._revised[pos]
+        return notes
+
+    def _recover(self) -> None:
+        """After a restart: take back the leases noted on disk; the rest is read back lazily."""
+        backend = self.backend
+        self._notes = _Notes(backend.recovered_kept)
+        leased: dict[str, tuple[list[int], int]] = {}
+        for first, _, note in backend.recovered_kept:
+            if isinstance(note, dict) and "l" in note:
+                positions, _ = leased.setdefault(str(note["l"]), ([], int(note.get("t", 0)) * 1_000_000))
+                positions.append(first)
+        if not leased:
+            return
+        now_ns = self.clock()
+        restored = 0
+        for name, (positions, timeout_ns) in leased.items():
+            items: list[Item] = []
+            for start in range(0, len(positions), _RESTORE_STEP):
+                step = positions[start:start + _RESTORE_STEP]
+                for pos, payload in zip(step, backend.read_at(step)):
+                    try:
+                        frame = message.from_disk(payload)[0] if payload is not None else None
+                    except message.BadRecord:
+                        frame = None
+                    if frame is None:
+                        log.error("a leased message's record is unreadable", channel=self.name, lease=name)
+                        continue
+                    note = self._notes.at(pos) or {}
+                    if "a" in note:
+                        frame = message.with_attempts(frame, note["a"])
+                    items.append((frame, pos))
+            if items:
+                self.leases.restore(name, items, now_ns, timeout_ns or self.lease_timeout_ns)
+                restored += len(items)
+        log.info("leases recovered", channel=self.name, topic=self.topic_name, leases=len(leased),
+                 messages=restored)
+
+    def persist(self) -> int:
+        """Shutdown: give every message a disk record; returns how many were written.
+
+        Messages that have a record already stay where they are: the final
+        checkpoint keeps them, with their notes. In-flight messages go back
+        to the head of the queue first (their delivery counts), then the
+        memory-only part of the queue and of the deferred heap is written,
+        deferred ones with their due times. Leased memory-only messages are
+        written too and noted with their lease, so they come back in it.
+        """
+        for sub in list(self.subscriptions.values()):
+            self._give_back(sub.in_flight.drain())
+        failed = self.failed
+        records: list[bytes] = []
+        head = self._head
+        for index, (ids, frames, positions) in enumerate(self._chunks):
+            if positions is None:
+                start = head if index == 0 else 0
+                records += [message.to_disk(f, failed=failed.get(i, 0)) for i, f in zip(ids[start:], frames[start:])]
+        records += [message.to_disk(f, due_ns=due, failed=failed.get(message.frame_id(f), 0))
+                    for due, _, f, pos in sorted(self._deferred) if pos is None]
+        written = self._persist_leases()
+        if records:
+            self.backend.put_many(records)
+        return written + len(records)
+
+    def _persist_leases(self) -> int:
+        """Leased memory-only messages get records; the final checkpoint notes them with their lease."""
+        written = 0
+        for lease in self.leases:
+            items = lease.in_flight.drain()
+            memory = [frame for frame, pos in items if pos is None]
+            written_at = self.backend.put_positioned(memory) if memory else []
+            self.backend.reserve(written_at)
+            positions = iter(written_at)
+            items = [(frame, pos if pos is not None else next(positions)) for frame, pos in items]
+            lease.restore(items, 0)
+            written += len(memory)
+        return written
+
+
+class _Notes:
+    """The notes a stopped channel left on its kept records, looked up by position.
+
+    Records are read back in position order, so once a lookup passes the
+    last noted position the notes are dropped and reading takes its fast
+    path again.
+    """
+
+    def __init__(self, kept) -> None:
+        noted = sorted((first, last, note) for first, last, note in kept if isinstance(note, dict))
+        self._single = {first: note for first, last, note in noted if first == last}
+        self._ranges = [(first, last, note) for first, last, note in noted if first != last]
+        self._starts = [first for first, _, _ in self._ranges]
+        self._end = max((last for _, last, _ in noted), default=-1)
+
+    def __bool__(self) -> bool:
+        return self._end >= 0
+
+    def at(self, pos: int) -> dict | None:
+        if pos > self._end:
+            self._single, self._ranges, self._starts, self._end = {}, [], [], -1
+            return None
+        note = None
+        if self._ranges:
+            index = bisect.bisect_right(self._starts, pos) - 1
+            if index >= 0 and pos <= self._ranges[index][1]:
+                note = dict(self._ranges[index][2])
+        single = self._single.pop(pos, None)
+        if single is not None:
+            note = {**(note or {}), **single}
+        return note
+
+
+def _pieces(items: list[Item]) -> list[Piece]:
+    """Items as pieces that keep disk-backed and memory-only messages apart."""
+    out: list[Piece] = []
+    start = 0
+    while start < len(items):
+        on_disk = items[start][1] is not None
+        end = start + 1
+        while end < len(items) and (items[end][1] is not None) == on_disk:
+            end += 1
+        frames = [frame for frame, _ in items[start:end]]
+        positions = tuple(pos for _, pos in items[start:end]) if on_disk else None
+        out.append((list(map(message.frame_id_of, frames)), frames, positions))
+        start = end
+    return out

@@ -1,23 +1,24 @@
-"""One TCP client's state: identity, RDY, in-flight messages and counters.
+"""One TCP client's state: identity, RDY, its subscription and counters.
 
-The client is the channel's :class:`~nsqd.channel.Consumer`. :meth:`fill`
-moves up to ``RDY - in_flight`` messages from the channel into the output
-list in one go: the in-flight insert is one ``dict.update`` per chunk and the
-frames are appended with one ``list.extend``, with no per-message Python code.
+The client is the :class:`~nsqd.subscription.Consumer` behind its
+subscription. RDY is the client's in-flight budget; :meth:`ClientV2.fill`
+moves up to ``RDY - in_flight`` messages from the subscription into the
+output list in one go (the in-flight insert is one ``dict.update`` per chunk
+and the frames are appended with one ``list.extend``: no per-message Python
+code).
 """
 
 from __future__ import annotations
 
-import random
 from typing import TYPE_CHECKING, Callable
 
 from . import message
-from .in_flight import InFlight
+from .subscription import Budget
 
 if TYPE_CHECKING:
     from .auth import AuthState
-    from .channel import Channel, Lease
     from .options import Options
+    from .subscription import Subscription
 
 #: Go nsqd's client state numbers, as /stats reports them
 STATE_INIT = 0
@@ -55,19 +56,11 @@ class ClientV2:
         self.auth_secret = ""
         self.tls_version = self.tls_cipher_suite = self.tls_negotiated_protocol = ""
         self.tls_negotiated_protocol_is_mutual = False
-        # subscription and flow control
-        self.channel: Channel | None = None
-        self.ready_count = 0
-        self.in_flight = InFlight()
+        # subscription and flow control: RDY is the budget's limit
+        self.budget = Budget(0)
+        self.sub: Subscription | None = None
         #: the lease extension: negotiated in IDENTIFY, then LEASE <name> tags deliveries
         self.leases_enabled = False
-        self.lease: Lease | None = None
-        self.max_msg_timeout_ns = int(options.max_msg_timeout * 1e9)
-        # counters
-        self.message_count = 0
-        self.finish_count = 0
-        self.requeue_count = 0
-        self.timeout_count = 0
         self.pub_counts: dict[str, int] = {}
         # output: frames waiting for the connection's next write
         self.out: list[bytes] = []
@@ -75,11 +68,30 @@ class ClientV2:
         #: set by the I/O layer: wake the task that writes to this client
         self.on_wake: Callable[[], None] = _noop
 
+    # ----------------------------------------------------------- stats
+    @property
+    def ready_count(self) -> int:
+        return self.budget.limit
+
+    @property
+    def in_flight_count(self) -> int:
+        return self.sub.in_flight_count if self.sub is not None else 0
+
+    @property
+    def message_count(self) -> int:
+        return self.sub.message_count if self.sub is not None else 0
+
+    @property
+    def finish_count(self) -> int:
+        return self.sub.finish_count if self.sub is not None else 0
+
+    @property
+    def requeue_count(self) -> int:
+        return self.sub.requeue_count if self.sub is not None else 0
+
     # ------------------------------------------------------------ consumer
-    def wake(self) -> int:
+    def wake(self) -> None:
         self.on_wake()
-        in_flight = len(self.in_flight) + (len(self.lease.in_flight) if self.lease else 0)
-        return max(self.ready_count - in_flight, 0)
 
     def close(self) -> None:
         """The channel is going away: end this connection (as nsqd does)."""
@@ -92,42 +104,27 @@ class ClientV2:
             self.out.append(_CLOSE_WAIT)
             self.on_wake()
 
-    def messages_timed_out(self, count: int) -> None:
-        self.timeout_count += count
+    def timed_out(self, count: int) -> None:
+        """Nothing to do: the channel counts timeouts on the subscription."""
 
     def fill(self, now_ns: int) -> None:
-        """Take messages from the channel while RDY allows, into :attr:`out`."""
-        channel = self.channel
-        if channel is None or self.state != STATE_SUBSCRIBED:
+        """Take messages from the subscription while RDY allows, into :attr:`out`."""
+        sub = self.sub
+        if sub is None or self.state != STATE_SUBSCRIBED:
             return
-        target = self.in_flight
-        in_flight = len(target)
-        lease = self.lease
-        if lease is not None:
-            if lease.sealed:
-                return
-            target = lease.in_flight
-            in_flight += len(target)
-        free = self.ready_count - in_flight
-        if free <= 0 or (in_flight and free * MIN_REFILL_FRACTION < self.ready_count):
+        ready = self.budget.limit
+        in_flight = sub.in_flight_count
+        free = ready - in_flight
+        if free <= 0 or (in_flight and free * MIN_REFILL_FRACTION < ready):
             return
-        pieces = channel.take(free, self, now_ns)
-        if not pieces:
-            return
-        deadline = now_ns + self.msg_timeout_ns
-        add = target.add
         extend = self.out.extend
-        for ids, frames in pieces:
-            if self.sample_rate:
-                ids, frames = self._sample(channel, ids, frames)
-            add(ids, frames, deadline, now_ns)
+        for _, frames, _ in sub.take(free, now_ns):
             extend(frames)
-            self.message_count += len(frames)
 
-    def _sample(self, channel: Channel, ids: list[bytes], frames: list[bytes]):
-        """Keep about ``sample_rate`` percent of messages; nsqd drops the rest for the channel."""
-        keep = [i for i in range(len(ids)) if random.randrange(100) < self.sample_rate]
-        return [ids[i] for i in keep], [frames[i] for i in keep]
+    def unsubscribe(self) -> None:
+        """The connection is over: in-flight messages go back to the channel."""
+        if self.sub is not None:
+            self.sub.close()
 
 
 def _noop() -> None:

@@ -26,13 +26,13 @@ import structlog
 import trio
 from hypercorn.config import Config, Sockets
 
-from . import auth, message, metrics, stats
+from . import auth, message, metrics, policy, stats
+from .broker import PublishError
 from .channel import ChannelExiting
+from .diskq import DiskQueueError
 from .names import is_valid_channel_name, is_valid_topic_name
-from .nsqd import set_channel_policy, set_topic_policy
 from .options import OVERFLOW_POLICIES, TLS_REQUIRED, OptionsError, parse_log_level, split_host_port
-from .protocol_v2 import ClientError, build_mpub
-from .topic import QueueFull
+from .protocol_v2 import ClientError, split_mpub
 from .version import NSQD_VERSION
 
 log = structlog.get_logger("nsqd.http")
@@ -306,8 +306,10 @@ class HTTPAPI:
     def _get_topic(self, name: str):
         try:
             return self.nsqd.get_topic(name)
-        except RuntimeError:  # the daemon is shutting down
+        except ChannelExiting:  # the daemon is shutting down
             raise HTTPError(503, "EXITING") from None
+        except DiskQueueError as exc:
+            raise HTTPError(503, f"STORAGE_FAILED: {exc}") from None
 
     def _existing_topic(self, name: str):
         topic = self.nsqd.get_existing_topic(name)
@@ -347,18 +349,18 @@ class HTTPAPI:
             raise HTTPError(404, "CHANNEL_NOT_FOUND")
         return channel
 
-    def _put(self, cmd: str, topic_name: str, put: Callable[[], None]) -> None:
-        if self.nsqd.draining:
-            raise HTTPError(503, "EXITING")
+    async def _publish(self, cmd: str, topic_name: str, bodies, defer_ns: int = 0) -> None:
+        """The core publish, answered once confirmed: 503 when it is refused or cannot be made durable."""
         try:
-            put()
-        except ChannelExiting:
-            raise HTTPError(503, "EXITING") from None
-        except QueueFull as exc:  # a bounded topic or channel is at its limit
-            raise HTTPError(503, f"{cmd}_FAILED: {exc}") from None
-        except Exception as exc:  # disk errors: the publisher must retry
-            log.error("publish failed", cmd=cmd, topic=topic_name, error=str(exc))
-            raise HTTPError(500, f"{cmd}_FAILED: {exc}") from None
+            receipt = self.nsqd.publish(topic_name, bodies, defer_ns=defer_ns)
+            if not receipt.confirmed:
+                await receipt.wait()
+        except PublishError as exc:
+            if exc.kind == "exiting":
+                raise HTTPError(503, "EXITING") from None
+            if exc.kind == "storage":
+                log.error("publish failed", cmd=cmd, topic=topic_name, error=exc.reason)
+            raise HTTPError(503, f"{cmd}_FAILED: {exc.reason}") from None
 
     # ------------------------------------------------------------ handlers
     async def ping(self, request: Request) -> str:
@@ -417,14 +419,7 @@ class HTTPAPI:
             defer_ns = int(defer) * 1_000_000
             if not 0 <= defer_ns <= round(opts.max_req_timeout * 1e9):
                 raise HTTPError(400, "INVALID_DEFER")
-        topic = self._get_topic(topic_name)
-        msg_id = nsqd.guid.new_id()
-        now_ns = nsqd.now_ns()
-        frame = message.encode_frame(msg_id, body, now_ns)
-        if defer_ns:
-            self._put("PUB", topic_name, lambda: topic.put_deferred(frame, now_ns + defer_ns))
-        else:
-            self._put("PUB", topic_name, lambda: topic.put_chunk([msg_id], [frame], len(body)))
+        await self._publish("PUB", topic_name, [body], defer_ns)
         return "OK"
 
     async def mpub(self, request: Request) -> str:
@@ -443,10 +438,9 @@ class HTTPAPI:
         body = await request.read_body(opts.max_body_size)
         if len(body) > opts.max_body_size:
             raise HTTPError(413, "BODY_TOO_BIG")
-        now_ns = nsqd.now_ns()
         if binary:
             try:
-                ids, frames, nbytes = build_mpub(body, nsqd.guid, now_ns, opts.max_msg_size, opts.max_body_size)
+                bodies = split_mpub(body, opts.max_msg_size, opts.max_body_size)
             except ClientError as err:
                 raise HTTPError(413, err.code.removeprefix("E_")) from None
         else:
@@ -454,12 +448,10 @@ class HTTPAPI:
             bodies = [line for line in body.split(b"\n") if line]
             if any(len(line) > opts.max_msg_size for line in bodies):
                 raise HTTPError(413, "MSG_TOO_BIG")
-            ids = nsqd.guid.new_ids(len(bodies)) if bodies else []
-            frames = [message.encode_frame(i, b, now_ns) for i, b in zip(ids, bodies)]
-            nbytes = sum(map(len, bodies))
-        topic = self._get_topic(topic_name)
-        if frames:
-            self._put("MPUB", topic_name, lambda: topic.put_chunk(ids, frames, nbytes))
+        if not bodies:  # nsqd creates the topic all the same
+            self._get_topic(topic_name)
+            return "OK"
+        await self._publish("MPUB", topic_name, bodies)
         return "OK"
 
     async def topic_create(self, request: Request) -> None:
@@ -498,30 +490,29 @@ class HTTPAPI:
         if name is None:
             raise HTTPError(400, "MISSING_ARG_TOPIC")
         topic = self._existing_topic(name)
-        policy = _policy_args(query, ("max_messages", "channel_max_messages", "channel_max_bytes", "max_attempts",
-                                      "message_ttl_ms"))
+        changes: dict = _policy_args(query, ("max_messages", "channel_max_messages", "channel_max_bytes",
+                                             "max_attempts", "message_ttl_ms"))
         overflow = _first(query, "overflow")
         if overflow is not None:
             if overflow not in OVERFLOW_POLICIES:
                 raise HTTPError(400, "INVALID_ARG_OVERFLOW")
-            policy["overflow"] = overflow
-        set_topic_policy(topic, policy)
-        self.nsqd.persist_metadata_soon()
-        return {"max_messages": topic.max_messages, "channel_max_messages": topic.channel_max_messages,
-                "channel_max_bytes": topic.channel_max_bytes, "overflow": topic.overflow, "max_attempts": topic.max_attempts,
-                "message_ttl_ms": topic.ttl_ns // 1_000_000}
+            changes["overflow"] = overflow
+        durable = _first(query, "durable")
+        if durable is not None:
+            if durable not in _BOOL_PARAMS:
+                raise HTTPError(400, "INVALID_ARG_DURABLE")
+            changes["durable"] = _BOOL_PARAMS[durable]
+        self.nsqd.set_topic_policy(topic, changes)
+        return policy.topic_document(topic.policy)
 
     async def channel_limits(self, request: Request) -> dict:
         topic, channel_name = self._topic_and_channel(request)
         channel = topic.channels.get(channel_name)
         if channel is None:
             raise HTTPError(404, "CHANNEL_NOT_FOUND")
-        set_channel_policy(channel, _policy_args(request.query(),
-                                                 ("max_messages", "max_bytes", "max_attempts", "message_ttl_ms")))
-        self.nsqd.persist_metadata_soon()
-        return {"max_messages": channel.max_messages, "max_bytes": channel.max_bytes,
-                "max_attempts": channel.max_attempts,
-                "message_ttl_ms": channel.ttl_ns // 1_000_000}
+        self.nsqd.set_channel_policy(channel, _policy_args(
+            request.query(), ("max_messages", "max_bytes", "max_attempts", "message_ttl_ms")))
+        return policy.channel_document(channel.policy)
 
     async def topic_redrive(self, request: Request) -> dict:
         """Move messages kept by a topic with no channels (dead letters) to another topic.
@@ -539,12 +530,16 @@ class HTTPAPI:
         source = self._existing_topic(name)
         if source.channels:
             raise HTTPError(400, "TOPIC_HAS_CHANNELS")
+        if self.nsqd.draining:
+            raise HTTPError(503, "EXITING")
         count = _policy_args(query, ("count",)).get("count", source.depth)
         frames = [message.with_attempts(f, 1) for f in source.take_backlog(count)]
         if frames:
-            ids = [message.frame_id(f) for f in frames]
-            nbytes = sum(len(f) for f in frames) - message.FRAME_OVERHEAD * len(frames)
-            self._put("MPUB", target, lambda: self.nsqd.get_topic(target).put_chunk(ids, frames, nbytes))
+            try:
+                self.nsqd.publish_frames(target, frames)
+            except Exception as exc:  # a limit or the disk: the messages go back where they were
+                source.publish(list(map(message.frame_id_of, frames)), frames, 0)
+                raise HTTPError(503, f"MPUB_FAILED: {exc}") from None
         return {"moved": len(frames), "left": source.depth}
 
     async def channel_create(self, request: Request) -> None:
@@ -553,6 +548,8 @@ class HTTPAPI:
             topic.get_channel(channel_name)
         except ChannelExiting:
             raise HTTPError(503, "EXITING") from None
+        except DiskQueueError as exc:
+            raise HTTPError(503, f"STORAGE_FAILED: {exc}") from None
 
     async def channel_delete(self, request: Request) -> None:
         topic, channel_name = self._topic_and_channel(request)

@@ -1,41 +1,61 @@
-"""The in-flight messages of one consumer: a deadline-ordered map.
+"""In-flight messages of one holder (a subscription or a lease): a deadline-ordered map.
 
 nsqd keeps a per-channel priority heap with one entry per message. Here each
-consumer has one insertion-ordered dict ``id -> Delivery``: a consumer's
-message timeout is fixed, so insertion order *is* deadline order, and the dict
-is a priority queue whose minimum is its first live entry. TOUCH pops and
+holder has one insertion-ordered dict ``id -> Delivery``: a holder's message
+timeout is fixed, so insertion order *is* deadline order, and the dict is a
+priority queue whose minimum is its first live entry. TOUCH pops and
 re-inserts (the new deadline is the latest), FIN is one ``dict.pop``. Every
-message sent to the consumer in one write shares one :class:`Delivery`
-record, inserted with ``dict.fromkeys`` (a C loop): no per-message heap entry
-and nothing kept once a message is finished.
+message sent in one write shares one :class:`Delivery` record, inserted with
+``dict.fromkeys`` (a C loop): no per-message heap entry and nothing kept once
+a message is finished.
+
+A delivery remembers where its messages are on disk (``positions``, see
+:mod:`nsqd.channel`): the channel's disk queue keeps those records until the
+messages are finished, so a crash delivers them again instead of losing them.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from itertools import islice
+
+from .message import frame_id
+
+#: one message taken out of in-flight: its frame and its disk position (None: memory only)
+Item = tuple[bytes, "int | None"]
 
 
 class Delivery:
-    """Messages sent to one consumer in one batch; they share a deadline."""
+    """Messages sent to one holder in one batch; they share a deadline."""
 
-    __slots__ = ("deadline", "delivered_at", "ids", "frames", "_index")
+    __slots__ = ("deadline", "delivered_at", "ids", "frames", "positions", "_index")
 
-    def __init__(self, deadline: int, delivered_at: int, ids: list[bytes], frames: list[bytes]) -> None:
+    def __init__(self, deadline: int, delivered_at: int, ids: list[bytes], frames: list[bytes],
+                 positions: list[int] | tuple[int, ...] | None) -> None:
         self.deadline = deadline
         self.delivered_at = delivered_at
         self.ids = ids
         self.frames = frames
-        self._index: dict[bytes, bytes] | None = None
+        self.positions = positions
+        self._index: dict[bytes, int] | None = None
+
+    def locate(self, msg_id: bytes) -> int:
+        """The index of one message in the batch (built lazily: REQ and timeouts are rare)."""
+        if self._index is None:
+            self._index = dict(zip(self.ids, range(len(self.ids))))
+        return self._index[msg_id]
+
+    def item(self, msg_id: bytes) -> Item:
+        index = self.locate(msg_id)
+        positions = self.positions
+        return self.frames[index], None if positions is None else positions[index]
 
     def frame(self, msg_id: bytes) -> bytes:
-        """The frame of one message of the batch (built lazily: REQ and timeouts are rare)."""
-        if self._index is None:
-            self._index = dict(zip(self.ids, self.frames))
-        return self._index[msg_id]
+        return self.frames[self.locate(msg_id)]
 
 
 class InFlight:
-    """Messages delivered to one consumer and not yet finished, in deadline order."""
+    """Messages delivered to one holder and not yet finished, in deadline order."""
 
     __slots__ = ("map",)
 
@@ -48,25 +68,42 @@ class InFlight:
     def __contains__(self, msg_id: bytes) -> bool:
         return msg_id in self.map
 
-    def add(self, ids: list[bytes], frames: list[bytes], deadline: int, now: int) -> None:
-        self.map.update(dict.fromkeys(ids, Delivery(deadline, now, ids, frames)))
+    def add(self, ids: list[bytes], frames: list[bytes], positions, deadline: int, now: int) -> None:
+        self.map.update(dict.fromkeys(ids, Delivery(deadline, now, ids, frames, positions)))
+
+    def add_items(self, items: list[Item], deadline: int, now: int) -> None:
+        """Add messages taken out earlier (a reopened lease, a restart), in order.
+
+        Disk-backed and memory-only messages go in separate deliveries, so each
+        delivery's ``positions`` stays all positions (a tuple: not neighbours) or None.
+        """
+        start = 0
+        while start < len(items):
+            on_disk = items[start][1] is not None
+            end = start + 1
+            while end < len(items) and (items[end][1] is not None) == on_disk:
+                end += 1
+            frames = [frame for frame, _ in items[start:end]]
+            positions = tuple(pos for _, pos in items[start:end]) if on_disk else None
+            self.add([frame_id(f) for f in frames], frames, positions, deadline, now)
+            start = end
 
     def finish(self, msg_id: bytes) -> bool:
         return self.map.pop(msg_id, None) is not None
 
-    def take(self, msg_id: bytes) -> bytes | None:
-        """Remove a message and return its frame (REQ)."""
+    def take(self, msg_id: bytes) -> Item | None:
+        """Remove a message and return it (REQ, reject)."""
         delivery = self.map.pop(msg_id, None)
-        return None if delivery is None else delivery.frame(msg_id)
+        return None if delivery is None else delivery.item(msg_id)
 
     def touch(self, msg_id: bytes, now: int, timeout: int, max_timeout: int) -> bool:
         """Move a message's deadline to ``now + timeout``, capped at delivery + max."""
         delivery = self.map.pop(msg_id, None)
         if delivery is None:
             return False
-        frame = delivery.frame(msg_id)
+        frame, pos = delivery.item(msg_id)
         deadline = min(now + timeout, delivery.delivered_at + max_timeout)
-        self.map[msg_id] = Delivery(deadline, delivery.delivered_at, [msg_id], [frame])
+        self.map[msg_id] = Delivery(deadline, delivery.delivered_at, [msg_id], [frame], None if pos is None else (pos,))
         return True
 
     def next_deadline(self) -> int | None:
@@ -74,8 +111,8 @@ class InFlight:
             return delivery.deadline
         return None
 
-    def expire(self, now: int) -> list[bytes]:
-        """Remove and return the frames whose deadline has passed, oldest first."""
+    def expire(self, now: int) -> list[Item]:
+        """Remove and return the messages whose deadline has passed, oldest first."""
         expired = []
         for msg_id, delivery in self.map.items():
             if delivery.deadline > now:
@@ -84,14 +121,60 @@ class InFlight:
         if not expired:
             return []
         pop = self.map.pop
-        return [pop(msg_id).frame(msg_id) for msg_id in expired]
+        return [pop(msg_id).item(msg_id) for msg_id in expired]
 
-    def drain(self) -> list[bytes]:
-        """Remove and return every frame, in delivery order."""
-        frames = [delivery.frame(msg_id) for msg_id, delivery in self.map.items()]
+    def drain(self) -> list[Item]:
+        """Remove and return every message, in delivery order."""
+        items = [delivery.item(msg_id) for msg_id, delivery in self.map.items()]
         self.map.clear()
-        return frames
+        return items
 
     def peek(self, count: int) -> list[tuple[bytes, int]]:
         """``(id, deadline)`` of the first ``count`` messages, for stats and tests."""
         return [(msg_id, d.deadline) for msg_id, d in islice(self.map.items(), count)]
+
+    def kept(self, note: object, singles: bool = False) -> tuple[list[tuple[int, int, object]], int]:
+        """Disk intervals of the messages still in flight, each with ``note``; and their count.
+
+        A delivery whose messages are neighbours on disk (``positions`` is a
+        list) and all still in flight is one interval; otherwise each maximal
+        run of neighbours still in flight is one. Scattered messages
+        (``positions`` a tuple), or every message with ``singles``, are one
+        interval each.
+        """
+        live = Counter(map(id, self.map.values()))
+        if not live:
+            return [], 0
+        out: list[tuple[int, int, object]] = []
+        count = 0
+        seen: set[int] = set()
+        contains = self.map.__contains__
+        for delivery in self.map.values():
+            key = id(delivery)
+            if key in seen:
+                continue
+            seen.add(key)
+            positions = delivery.positions
+            if positions is None:
+                continue
+            alive = live[key]
+            count += alive
+            scattered = singles or type(positions) is not list
+            if alive == len(positions) and not scattered:
+                out.append((positions[0], positions[-1], note))
+                continue
+            start = previous = None
+            for msg_id, pos in zip(delivery.ids, positions):
+                if contains(msg_id) and self.map[msg_id] is delivery:
+                    if scattered:
+                        out.append((pos, pos, note))
+                    elif start is None:
+                        start = previous = pos
+                    else:
+                        previous = pos
+                elif start is not None:
+                    out.append((start, previous, note))
+                    start = None
+            if start is not None:
+                out.append((start, previous, note))
+        return out, count

@@ -49,6 +49,26 @@ def encode_frame(msg_id: bytes, body: bytes, timestamp_ns: int, attempts: int = 
     return b"".join((encode_header(len(body), timestamp_ns, attempts), msg_id, body))
 
 
+def encode_frames(ids: list[bytes], bodies, timestamp_ns: int) -> list[bytes]:
+    """Frames for a batch (one timestamp): a header per run of equal body sizes, one join per message.
+
+    Bodies may be memoryview slices of a received MPUB: joining copies each
+    body once, straight into its frame.
+    """
+    join = b"".join
+    frames: list[bytes] = []
+    append = frames.append
+    last_size = -1
+    header = b""
+    for msg_id, body in zip(ids, bodies):
+        size = len(body)
+        if size != last_size:
+            header = encode_header(size, timestamp_ns)
+            last_size = size
+        append(join((header, msg_id, body)))
+    return frames
+
+
 def encode_response(data: bytes) -> bytes:
     return _FRAME_HEAD.pack(len(data) + 4, FRAME_TYPE_RESPONSE) + data
 

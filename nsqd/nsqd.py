@@ -29,19 +29,22 @@ from pathlib import Path
 import structlog
 import trio
 
-from . import diskq, message, tls
-from .diskq import goimport
+from . import diskq, message, policy, tls
 from .channel import Channel, ChannelExiting
-from .client_v2 import ClientV2
+from .diskq import goimport
 from .guid import GUIDFactory
-from .options import TLS_NOT_REQUIRED, Options, OptionsError, split_host_port
 from .names import is_valid_topic_name
+from .options import TLS_NOT_REQUIRED, Options, OptionsError, split_host_port
+from .broker import PublishError, Receipt, SubscribeError
+from .subscription import Budget, Consumer, Subscription
 from .topic import QueueFull, Topic
 from .version import NSQD_VERSION
 
 log = structlog.get_logger("nsqd")
 
 METADATA_FILE = "nsqd.dat"
+#: seconds between retries of a metadata save while the disk fails
+STORAGE_RETRY = 1.0
 
 
 class NSQD:
@@ -49,7 +52,8 @@ class NSQD:
         self.options = options
         self.data_path = Path(options.data_path)
         self.topics: dict[str, Topic] = {}
-        self.clients: dict[int, ClientV2] = {}
+        #: connections, for /stats producers and client counts
+        self.clients: dict[int, object] = {}
         self.guid = GUIDFactory(options.node_id)
         self.tls_context = tls.server_context(options)
         if options.tls_required != TLS_NOT_REQUIRED and self.tls_context is None:
@@ -60,7 +64,9 @@ class NSQD:
         self.amqp_addresses: list[tuple[str, int]] = []
         self.https_addresses: list[tuple[str, int]] = []
         self.connections_nursery: trio.Nursery | None = None
-        self.health = "OK"
+        #: the ongoing storage failure (a full disk...), None while storage works
+        self.storage_error: str | None = None
+        self.default_policy = policy.defaults(options)
         #: bumped whenever a topic or channel appears or goes (the scan loop refreshes)
         self.channels_version = 0
         #: set once shutdown starts: publishes and subscriptions are refused
@@ -80,6 +86,21 @@ class NSQD:
         self._shutdown = trio.Event()
         self.ready = trio.Event()
 
+    @property
+    def health(self) -> str:
+        """``OK``, or ``NOK - <reason>`` while storage is failing (what /ping answers, as Go)."""
+        return "OK" if self.storage_error is None else f"NOK - {self.storage_error}"
+
+    def _storage_failed(self, error: str) -> None:
+        if self.storage_error is None:
+            log.error("storage failing", error=error)
+        self.storage_error = error
+
+    def _storage_recovered(self) -> None:
+        if self.storage_error is not None:
+            log.info("storage recovered", after=self.storage_error)
+            self.storage_error = None
+
     # --------------------------------------------------------------- time
     def now_ns(self) -> int:
         """Wall-clock nanoseconds that follow Trio's clock (so tests can jump time)."""
@@ -92,13 +113,99 @@ class NSQD:
         self._client_seq += 1
         return self._client_seq
 
-    def add_client(self, client: ClientV2) -> None:
+    def add_client(self, client) -> None:
         self.clients[client.id] = client
 
-    def remove_client(self, client: ClientV2) -> None:
+    def remove_client(self, client) -> None:
         self.clients.pop(client.id, None)
-        if client.channel is not None:
-            client.channel.remove_consumer(client.id)
+
+    # ------------------------------------------------------------ the core
+    def publish(self, topic_name: str, bodies, *, defer_ns: int = 0, durable: bool = False,
+                partial: bool = False) -> Receipt:
+        """Publish message bodies to a topic: the one publish path of every front end.
+
+        The topic's policy decides durability (``durable`` can only ask for
+        more). Returns a :class:`Receipt`; raises PublishError with nothing
+        stored. With ``partial``, a batch bigger than the room a ``reject``
+        limit leaves is cut: the head is stored (``Receipt.count``).
+        """
+        if self.draining:
+            raise PublishError("exiting", kind="exiting")
+        count = len(bodies)
+        try:
+            topic = self.get_topic(topic_name)
+        except ChannelExiting:
+            raise PublishError("exiting", kind="exiting") from None
+        except diskq.DiskQueueError as exc:
+            self._storage_failed(str(exc))
+            raise PublishError(f"cannot open the topic's storage: {exc}", kind="storage") from None
+        if partial and topic.policy.overflow == "reject" and topic.bounded:
+            room = topic.room()
+            if room is not None and room < count:
+                if room <= 0:
+                    raise PublishError(f"topic {topic_name} is full", kind="full")
+                count = room
+                bodies = bodies[:count]
+        now_ns = self.now_ns()
+        ids = self.guid.new_ids(count)
+        frames = message.encode_frames(ids, bodies, now_ns)
+        try:
+            queues = topic.publish(ids, frames, sum(map(len, bodies)), durable=durable or topic.policy.durable,
+                                   due_ns=now_ns + defer_ns if defer_ns else 0)
+        except QueueFull as exc:
+            raise PublishError(str(exc), kind="full") from None
+        except diskq.DiskQueueError as exc:
+            self._storage_failed(str(exc))
+            raise PublishError(f"cannot store: {exc}", kind="storage") from None
+        return Receipt(count, queues)
+
+    def publish_frames(self, topic_name: str, frames: list[bytes]) -> list:
+        """Store already-encoded messages (dead letters, redrive): ids and attempts as they are."""
+        topic = self.get_topic(topic_name)
+        nbytes = sum(map(len, frames)) - message.FRAME_OVERHEAD * len(frames)
+        return topic.publish(list(map(message.frame_id_of, frames)), frames, nbytes,
+                             durable=topic.policy.durable)
+
+    def subscribe(self, topic_name: str, channel_name: str, consumer: Consumer, *, budget: Budget,
+                  msg_timeout_ns: int) -> Subscription:
+        """Consume a channel (created if needed); raises SubscribeError."""
+        if self.draining:
+            raise SubscribeError("exiting")
+        try:
+            channel = self.get_topic(topic_name).get_channel(channel_name)
+            return channel.subscribe(consumer, self.new_client_id(), budget, msg_timeout_ns=msg_timeout_ns,
+                                     max_msg_timeout_ns=int(self.options.max_msg_timeout * 1e9),
+                                     max_consumers=self.options.max_channel_consumers)
+        except ChannelExiting as exc:
+            raise SubscribeError(str(exc)) from None
+        except diskq.DiskQueueError as exc:
+            self._storage_failed(str(exc))
+            raise SubscribeError(f"cannot open the channel's storage: {exc}") from None
+        except ValueError as exc:
+            raise SubscribeError(str(exc)) from None
+
+    def declare(self, topic_name: str, channel_name: str = "") -> None:
+        """Create a topic (and a channel of it) now; raises SubscribeError (exiting, storage)."""
+        try:
+            topic = self.get_topic(topic_name)
+            if channel_name:
+                topic.get_channel(channel_name)
+        except ChannelExiting as exc:
+            raise SubscribeError(str(exc)) from None
+        except diskq.DiskQueueError as exc:
+            self._storage_failed(str(exc))
+            raise SubscribeError(f"cannot open storage: {exc}") from None
+
+    def publish_room(self, topic_name: str) -> tuple[bool, int | None]:
+        """Whether a topic takes publishes now, and how many more its limits allow (None: no limit)."""
+        if self.draining:
+            return False, 0
+        topic = self.topics.get(topic_name)
+        if topic is None:  # created by the first publish
+            return True, None
+        if topic.policy.overflow != "reject":
+            return topic.accepting, None
+        return topic.accepting, topic.room()
 
     # ------------------------------------------------------------- topics
     def get_topic(self, name: str) -> Topic:
@@ -106,29 +213,26 @@ class NSQD:
         if topic is None:
             if self.draining:
                 raise ChannelExiting("exiting")
+            opts = self.options
+            e2e = None
+            if opts.e2e_processing_latency_percentiles:
+                e2e = (int(opts.e2e_processing_latency_window_time * 1e9),
+                       list(opts.e2e_processing_latency_percentiles))
             topic = Topic(
                 name,
-                mem_queue_size=self.options.mem_queue_size,
+                mem_queue_size=opts.mem_queue_size,
                 backend=None if name.endswith("#ephemeral") else self.open_backend(name),
-                max_messages=self.options.topic_max_messages,
-                channel_max_messages=self.options.channel_max_messages,
+                policy=self.default_policy,
+                clock=self.now_ns,
                 open_channel_backend=self._open_channel_backend,
                 on_channels_changed=self._topic_changed,
                 on_backlog=self._schedule_backlog,
                 on_last_channel_gone=self._ephemeral_topic_gone,
+                dead_letter=partial(self.dead_letter, name),
+                lease_timeout_ns=int(opts.msg_timeout * 1e9),
+                e2e=e2e,
+                disk_full=self._disk_full if opts.max_disk_bytes else (lambda: False),
             )
-            opts = self.options
-            topic.overflow = opts.overflow_policy
-            topic.channel_max_bytes = opts.channel_max_bytes
-            if opts.max_disk_bytes:
-                topic.disk_full = self._disk_full
-            topic.max_attempts = opts.max_attempts
-            topic.ttl_ns = int(opts.message_ttl * 1e9)
-            topic.dead_letter = partial(self.dead_letter, name)
-            if opts.e2e_processing_latency_percentiles:
-                topic.e2e_percentiles = list(opts.e2e_processing_latency_percentiles)
-                topic.e2e_window_ns = int(opts.e2e_processing_latency_window_time * 1e9)
-                topic.e2e_now = self.now_ns
             self.topics[name] = topic
             log.info("TOPIC created", topic=name)
             self._topic_changed(topic)
@@ -141,16 +245,18 @@ class NSQD:
             log.warning("dead letters dropped", topic=topic_name, count=len(frames))
             return
         try:
-            self.get_topic(name).put_chunk([message.frame_id(f) for f in frames], frames,
-                                           sum(len(f) for f in frames) - message.FRAME_OVERHEAD * len(frames))
+            self.publish_frames(name, frames)
         except (QueueFull, ChannelExiting, diskq.DiskQueueError) as exc:
             log.error("dead letters dropped", topic=topic_name, dead_letter_topic=name, count=len(frames),
                       error=str(exc))
 
     def disk_bytes(self) -> int:
-        """Bytes of queued messages on disk (and in write buffers), across every queue."""
-        return sum(q.depth_bytes for t in self.topics.values()
-                   for q in [t.backend, *(c.backend for c in t.channels.values())] if q is not None)
+        """Bytes of queued (unread) message records on disk, across every queue."""
+        return sum(q.depth_bytes for q in self.backends())
+
+    def backends(self) -> list:
+        return [q for t in self.topics.values() for q in [t.backend, *(c.backend for c in t.channels.values())]
+                if q is not None]
 
     def _disk_full(self) -> bool:
         now = time.monotonic()
@@ -166,23 +272,29 @@ class NSQD:
         topic = self.topics.pop(name)
         topic.exiting = True
         for channel_name in list(topic.channels):
-            self._close_consumers(topic.channels[channel_name])
-            topic.delete_channel(channel_name)
+            self.delete_channel(topic, channel_name)
         if topic.backend is not None:
             self.close_backend(topic.backend, delete=True)
         log.info("TOPIC deleted", topic=name)
         self._topic_changed(topic)
 
     def delete_channel(self, topic: Topic, name: str) -> None:
-        channel = topic.channels[name]
-        self._close_consumers(channel)
+        backend = topic.channels[name].backend
         topic.delete_channel(name)
+        if backend is not None:
+            self.close_backend(backend, delete=True)
         log.info("CHANNEL deleted", topic=topic.name, channel=name)
 
-    @staticmethod
-    def _close_consumers(channel: Channel) -> None:
-        for consumer in list(channel.consumers.values()):
-            consumer.close()
+    def set_topic_policy(self, topic: Topic, changes: dict) -> None:
+        """Change a topic's policies (and its channels' defaults) in one step; raises PolicyError."""
+        topic.set_policy(policy.with_topic_changes(topic.policy, changes))
+        self.persist_metadata_soon()
+
+    def set_channel_policy(self, channel: Channel, changes: dict) -> None:
+        topic = self.topics[channel.topic_name]
+        overrides = {**channel.overrides, **changes}
+        channel.set_policy(policy.with_channel_changes(topic.policy.channel, overrides), overrides)
+        self.persist_metadata_soon()
 
     def channels(self) -> list[Channel]:
         return [c for t in self.topics.values() for c in t.channels.values()]
@@ -270,16 +382,18 @@ class NSQD:
     # ------------------------------------------------------------ metadata
     def metadata(self) -> dict:
         topics = []
+        default = policy.topic_document(self.default_policy)
         for topic in sorted(self.topics.values(), key=lambda t: t.name):
             if topic.ephemeral:
                 continue
             channels = [
-                {"name": c.name, "paused": c.paused, **_channel_policy(c, topic)}
+                {"name": c.name, "paused": c.paused, **({"policy": c.overrides} if c.overrides else {})}
                 for c in sorted(topic.channels.values(), key=lambda c: c.name)
                 if not c.ephemeral
             ]
+            changed = policy.overrides(policy.topic_document(topic.policy), default)
             topics.append({"channels": channels, "name": topic.name, "paused": topic.paused,
-                           **_topic_policy(topic, self.options)})
+                           **({"policy": changed} if changed else {})})
         return {"topics": topics, "version": NSQD_VERSION, "last_message_id": self.guid.last}
 
     def persist_metadata_soon(self) -> None:
@@ -287,15 +401,21 @@ class NSQD:
             self._metadata_dirty.set()
 
     def save_metadata(self) -> None:
-        self.data_path.mkdir(parents=True, exist_ok=True)
         path = self.data_path / METADATA_FILE
         tmp = path.with_name(f"{METADATA_FILE}.{os.getpid()}.tmp")
         data = json.dumps(self.metadata(), separators=(",", ":")).encode()
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
         dir_fd = os.open(self.data_path, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
@@ -315,10 +435,10 @@ class NSQD:
         try:
             for t in data.get("topics") or []:
                 topic = self.get_topic(t["name"])
-                set_topic_policy(topic, t.get("policy") or {})
+                topic.set_policy(policy.with_topic_changes(
+                    self.default_policy, _known(t.get("policy"), policy.TOPIC_FIELDS)))
                 for c in t.get("channels") or []:
-                    channel = topic.get_channel(c["name"])
-                    set_channel_policy(channel, c.get("policy") or {})
+                    channel = topic.get_channel(c["name"], _known(c.get("policy"), policy.CHANNEL_FIELDS))
                     if c.get("paused"):
                         channel.pause()
                 if t.get("paused"):
@@ -336,22 +456,60 @@ class NSQD:
                 topic.get_channel(channel_name)
 
     async def _metadata_writer(self) -> None:
+        """Save nsqd.dat after changes (coalesced); on a disk failure retry, and report NOK meanwhile.
+
+        While storage is failing it also probes the disk queues' health: once
+        every queue and the metadata can be written again, /ping says OK.
+        """
         while True:
-            await self._metadata_dirty.wait()
+            if self.storage_error is None:
+                await self._metadata_dirty.wait()
+            else:
+                with trio.move_on_after(STORAGE_RETRY):
+                    await self._metadata_dirty.wait()
             self._metadata_dirty = trio.Event()
-            await trio.to_thread.run_sync(self.save_metadata)
+            try:
+                await trio.to_thread.run_sync(self.save_metadata)
+            except OSError as exc:
+                self._storage_failed(f"cannot save {self.data_path / METADATA_FILE}: {exc}")
+                self._metadata_dirty.set()
+                await trio.sleep(STORAGE_RETRY)
+                continue
+            if self.storage_error is not None:
+                failing = [q.failing for q in self.backends() if q.failing]
+                if failing:
+                    self._metadata_dirty.set()  # keep probing until the queues write again
+                else:
+                    self._storage_recovered()
             await trio.sleep(0.05)  # coalesce bursts of changes
 
     # ------------------------------------------------------------- loops
     async def _backlog_mover(self) -> None:
-        """Hand topics' disk backlogs to their channels in bounded steps."""
+        """Hand topics' disk backlogs to their channels in bounded steps.
+
+        A durable topic's step is released only once the channels' copies are
+        fsynced; a step that could not be written (a full disk) is tried again
+        after a pause.
+        """
         while True:
             while not self._backlog:
                 await self._backlog_lot.park()
             topic = self._backlog.popleft()
             if topic.exiting:
                 continue
-            if topic.move_backlog():
+            more, queues = topic.move_backlog()
+            if queues:
+                try:
+                    for queue in queues:
+                        if not queue.closed:
+                            await queue.wait_durable()
+                except diskq.DiskQueueError as exc:
+                    log.error("topic backlog step not yet durable", topic=topic.name, error=str(exc))
+                else:
+                    topic.backlog_moved()
+            if topic.stalled:
+                await trio.sleep(STORAGE_RETRY)
+            if (more or topic.stalled) and topic not in self._backlog:
                 self._backlog.append(topic)
             await trio.sleep(0)
 
@@ -425,8 +583,8 @@ class NSQD:
         self.draining = True
         for channel in self.channels():
             channel.draining = True
-            for consumer in list(channel.consumers.values()):
-                consumer.drain()
+            for sub in list(channel.subscriptions.values()):
+                sub.consumer.drain()
         in_flight = sum(c.in_flight_count for c in self.channels())
         log.info("draining", in_flight=in_flight, grace=self.options.shutdown_grace)
         with trio.move_on_after(self.options.shutdown_grace):
@@ -436,82 +594,45 @@ class NSQD:
         log.info("drained", finished=in_flight - left, still_in_flight=left)
 
     def _persist(self) -> None:
-        """Write everything held in memory to the disk queues, close them, save metadata."""
+        """Write everything held in memory to the disk queues, close them, save metadata.
+
+        Each queue on its own: one that cannot be written (a full disk) is
+        logged with what it loses, and the others are still saved.
+        """
         saved = 0
+        failures = 0
         for topic in list(self.topics.values()):
-            for channel in list(topic.channels.values()):
-                if channel.backend is None:
+            for holder in [*topic.channels.values(), topic]:
+                backend = holder.backend
+                if backend is None or backend.closed:
                     continue
-                payloads = list(channel.persistable())
-                if payloads:
-                    channel.backend.put_many(payloads)
-                    saved += len(payloads)
-                self.close_backend(channel.backend)
-            if topic.backend is not None:
-                payloads = list(topic.persistable())
-                if payloads:
-                    topic.backend.put_many(payloads)
-                    saved += len(payloads)
-                self.close_backend(topic.backend)
-        self.save_metadata()
-        log.info("state persisted", messages=saved)
+                try:
+                    saved += holder.persist()
+                except diskq.DiskQueueError as exc:
+                    failures += 1
+                    log.error("messages held in memory could not be written at shutdown and are lost",
+                              queue=backend.name, error=str(exc))
+                try:
+                    self.close_backend(backend)
+                except diskq.DiskQueueError as exc:
+                    failures += 1
+                    log.error("queue could not be closed cleanly", queue=backend.name, error=str(exc))
+        try:
+            self.save_metadata()
+        except OSError as exc:
+            failures += 1
+            log.error("metadata could not be saved at shutdown", error=str(exc))
+        if failures:
+            log.error("state persisted with failures", messages=saved, failures=failures)
+        else:
+            log.info("state persisted", messages=saved)
 
 
-def _overrides(values: dict, defaults: dict) -> dict:
-    """Policies that differ from the daemon's flags, for nsqd.dat; none means Go's exact format."""
-    changed = {k: v for k, v in values.items() if v != defaults[k]}
-    return {"policy": changed} if changed else {}
-
-
-def _default_policy(opts: Options) -> dict:
-    return {"max_messages": opts.topic_max_messages, "channel_max_messages": opts.channel_max_messages,
-            "channel_max_bytes": opts.channel_max_bytes, "overflow": opts.overflow_policy, "max_attempts": opts.max_attempts,
-            "message_ttl_ms": int(opts.message_ttl * 1000)}
-
-
-def _topic_policy(topic: Topic, opts: Options) -> dict:
-    return _overrides({"max_messages": topic.max_messages, "channel_max_messages": topic.channel_max_messages,
-                       "channel_max_bytes": topic.channel_max_bytes, "overflow": topic.overflow, "max_attempts": topic.max_attempts,
-                       "message_ttl_ms": topic.ttl_ns // 1_000_000}, _default_policy(opts))
-
-
-def _channel_policy(channel: Channel, topic: Topic) -> dict:
-    return _overrides({"max_messages": channel.max_messages, "max_bytes": channel.max_bytes,
-                       "max_attempts": channel.max_attempts, "message_ttl_ms": channel.ttl_ns // 1_000_000},
-                      {"max_messages": topic.channel_max_messages, "max_bytes": topic.channel_max_bytes,
-                       "max_attempts": topic.max_attempts,
-                       "message_ttl_ms": topic.ttl_ns // 1_000_000})
-
-
-def set_topic_policy(topic: Topic, policy: dict) -> None:
-    """Apply saved or requested topic policies; the channel defaults reach its channels."""
-    if "max_messages" in policy:
-        topic.max_messages = int(policy["max_messages"])
-    if "overflow" in policy:
-        topic.overflow = str(policy["overflow"])
-    channel_defaults = {}
-    if "channel_max_messages" in policy:
-        topic.channel_max_messages = channel_defaults["max_messages"] = int(policy["channel_max_messages"])
-    if "channel_max_bytes" in policy:
-        topic.channel_max_bytes = channel_defaults["max_bytes"] = int(policy["channel_max_bytes"])
-    if "max_attempts" in policy:
-        topic.max_attempts = channel_defaults["max_attempts"] = int(policy["max_attempts"])
-    if "message_ttl_ms" in policy:
-        topic.ttl_ns = int(policy["message_ttl_ms"]) * 1_000_000
-        channel_defaults["message_ttl_ms"] = int(policy["message_ttl_ms"])
-    for channel in topic.channels.values():
-        set_channel_policy(channel, channel_defaults)
-
-
-def set_channel_policy(channel: Channel, policy: dict) -> None:
-    if "max_messages" in policy:
-        channel.max_messages = int(policy["max_messages"])
-    if "max_bytes" in policy:
-        channel.max_bytes = int(policy["max_bytes"])
-    if "max_attempts" in policy:
-        channel.max_attempts = int(policy["max_attempts"])
-    if "message_ttl_ms" in policy:
-        channel.ttl_ns = int(policy["message_ttl_ms"]) * 1_000_000
+def _known(document, fields: dict) -> dict:
+    """The policy fields a saved document holds, with the types they must have."""
+    if not isinstance(document, dict):
+        return {}
+    return {key: value for key, value in document.items() if key in fields and type(value) is fields[key]}
 
 
 def run(options: Options) -> int:

@@ -333,6 +333,10 @@ class Options:
     max_bytes_per_file: int = _opt("int", 100 * _MIB, "bytes per diskqueue file before rolling")
     sync_every: int = _opt("int", 2500, "messages per diskqueue fsync")
     sync_timeout: float = _opt("duration", 2.0, "longest time between diskqueue fsyncs")
+    durable: bool = _opt(
+        "bool", False, "confirm a publish only once it is fsynced (write-through; a topic can also be made "
+        "durable over HTTP)", exposed=False,
+    )
 
     # queue scan
     queue_scan_interval: float = _opt(
@@ -502,7 +506,7 @@ class Options:
         )
 
         _need(self.mem_queue_size >= 0, "--mem-queue-size must be >= 0")
-        _need(self.max_bytes_per_file > 0, "--max-bytes-per-file must be > 0")
+        _need(0 < self.max_bytes_per_file < 1 << 32, "--max-bytes-per-file must be > 0 and < 4GiB")
         _need(self.sync_every > 0, "--sync-every must be > 0")
 
         _need(self.queue_scan_selection_count >= 1, "--queue-scan-selection-count must be >= 1")

@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING
 import structlog
 
 from . import message
-from .channel import ChannelExiting
+from .broker import PublishError, SubscribeError
 from .client_v2 import STATE_CLOSING, STATE_INIT, STATE_SUBSCRIBED, ClientV2
-from .options import TLS_NOT_REQUIRED
 from .names import is_valid_channel_name, is_valid_topic_name
-from .topic import QueueFull
+from .options import TLS_NOT_REQUIRED
 from .version import NSQD_VERSION
 
 if TYPE_CHECKING:
+    from .broker import Receipt
     from .nsqd import NSQD
 
 log = structlog.get_logger("nsqd.protocol")
@@ -62,6 +62,17 @@ class ClientError(Exception):
 
 class AuthRefresh(Exception):
     """The client's authorization expired: ask the auth server again, then retry."""
+
+
+class Unconfirmed:
+    """The answer to a publish that waits for its receipt (a durable publish): OK once fsynced."""
+
+    __slots__ = ("receipt", "command", "topic")
+
+    def __init__(self, receipt: Receipt, command: str, topic: str) -> None:
+        self.receipt = receipt
+        self.command = command
+        self.topic = topic
 
 
 class V2Parser:
@@ -166,6 +177,8 @@ class ProtocolV2:
         opts = nsqd.options
         self.parser = V2Parser(opts.max_msg_size, opts.max_body_size)
         self.closed = False
+        #: answers held back behind an unconfirmed publish, in order (see :meth:`answer`)
+        self.held: list[bytes | Unconfirmed] = []
         #: async steps the I/O layer must perform before :meth:`resume`:
         #: ("tls",), ("snappy",), ("deflate", level), ("auth",)
         self.pending: list[tuple] = []
@@ -196,8 +209,8 @@ class ProtocolV2:
 
     def _run(self, commands: list[tuple[bytes, list, bytes | None]], now_ns: int) -> None:
         client = self.client
-        out = client.out
         for index, (name, params, body) in enumerate(commands):
+            out = self.held if self.held else client.out
             if name is FIN_BATCH and not self.tls_required:
                 self._fin_many(params)
                 if self.closed:
@@ -231,10 +244,22 @@ class ProtocolV2:
                     return
                 continue
             if response is not None:
+                if type(response) is Unconfirmed:
+                    out = self.held
                 out.append(response)
             if self.pending:
                 self._stash = commands[index + 1:]
                 return
+
+    def answer(self, unconfirmed: Unconfirmed, error: str | None) -> bytes:
+        """The frame for a held publish once its receipt is settled (``error``: why it failed)."""
+        if error is None:
+            counts = self.client.pub_counts
+            counts[unconfirmed.topic] = counts.get(unconfirmed.topic, 0) + unconfirmed.receipt.count
+            return _OK
+        cmd = unconfirmed.command
+        log.warning("publish not confirmed", client=self.client.remote_address, error=error)
+        return message.encode_error(f"E_{cmd}_FAILED {cmd} failed {error}".encode())
 
     # ------------------------------------------------------------ helpers
     def _check_tls(self, name: bytes) -> None:
@@ -384,11 +409,12 @@ class ProtocolV2:
             raise ClientError("E_BAD_CHANNEL", f"SUB channel name {_go_quote(channel_name)} is not valid")
         self._check_auth("SUB", topic_name, channel_name)
         try:
-            channel = self.nsqd.get_topic(topic_name).get_channel(channel_name)
-            channel.add_consumer(client.id, client, self.nsqd.options.max_channel_consumers)
-        except (ChannelExiting, ValueError) as exc:
+            sub = self.nsqd.subscribe(topic_name, channel_name, client, budget=client.budget,
+                                      msg_timeout_ns=client.msg_timeout_ns)
+        except SubscribeError as exc:
             raise ClientError("E_SUB_FAILED", f"SUB failed {exc}") from None
-        client.channel = channel
+        sub.sample_rate = client.sample_rate
+        client.sub = sub
         client.state = STATE_SUBSCRIBED
         return _OK
 
@@ -403,7 +429,7 @@ class ProtocolV2:
         max_rdy = self.nsqd.options.max_rdy_count
         if count > max_rdy:
             raise ClientError("E_INVALID", f"RDY count {count} out of range 0-{max_rdy}")
-        client.ready_count = count
+        client.budget.limit = count
         return None
 
     def FIN(self, params, body, now_ns):
@@ -415,54 +441,15 @@ class ProtocolV2:
         client = self.client
         if client.state != STATE_SUBSCRIBED and client.state != STATE_CLOSING:
             err = ClientError("E_INVALID", "cannot FIN in current state")
-            client.out.append(message.encode_error(str(err).encode()))
+            (self.held or client.out).append(message.encode_error(str(err).encode()))
             self.closed = True
             return
-        if client.channel.e2e is not None:
-            self._fin_timed(ids)
-            return
-        pop = client.in_flight.map.pop
-        finished = 0
-        for msg_id in ids:
-            if pop(msg_id, None) is not None:
-                finished += 1
-            elif client.lease is not None and client.lease.in_flight.finish(msg_id):
-                finished += 1
-            else:
-                reason = self._not_in_flight_reason(msg_id)
-                client.out.append(message.encode_error(
+        failures = client.sub.finish(ids)
+        if failures:
+            out = self.held or client.out
+            for msg_id, reason in failures:
+                out.append(message.encode_error(
                     f"E_FIN_FAILED FIN {msg_id.decode(errors='replace')} failed {reason}".encode()))
-        client.finish_count += finished
-        if client.channel.failed:
-            client.channel.forget(ids)
-
-    def _fin_timed(self, ids: list[bytes]) -> None:
-        """FIN that also records publish-to-FIN latency (only with e2e percentiles on)."""
-        client = self.client
-        channel = client.channel
-        published = []
-        for msg_id in ids:
-            delivery = client.in_flight.map.pop(msg_id, None)
-            if delivery is None and client.lease is not None:
-                delivery = client.lease.in_flight.map.pop(msg_id, None)
-            if delivery is None:
-                reason = self._not_in_flight_reason(msg_id)
-                client.out.append(message.encode_error(
-                    f"E_FIN_FAILED FIN {msg_id.decode(errors='replace')} failed {reason}".encode()))
-                continue
-            published.append(message.frame_timestamp(delivery.frame(msg_id)))
-        client.finish_count += len(published)
-        channel.e2e.add_many(published, self.nsqd.now_ns())
-        if channel.failed:
-            channel.forget(ids)
-
-    def _not_in_flight_reason(self, msg_id: bytes) -> str:
-        channel = self.client.channel
-        if channel is not None:
-            for other in channel.consumers.values():
-                if msg_id in other.in_flight:
-                    return "client does not own message"
-        return "ID not in flight"
 
     def REQ(self, params, body, now_ns):
         client = self.client
@@ -470,26 +457,18 @@ class ProtocolV2:
         msg_id = self._message_id(params, "REQ", 3)
         delay_ms = self._base10(params[2], "REQ could not parse timeout")
         delay_ms = min(delay_ms, int(self.nsqd.options.max_req_timeout * 1000))
-        frame = client.in_flight.take(msg_id)
-        if frame is None and client.lease is not None:
-            frame = client.lease.in_flight.take(msg_id)
-        if frame is None:
-            reason = self._not_in_flight_reason(msg_id)
+        reason = client.sub.requeue(msg_id, delay_ms * 1_000_000, now_ns)
+        if reason is not None:
             raise ClientError("E_REQ_FAILED", f"REQ {msg_id.decode(errors='replace')} failed {reason}",
                               fatal=False)
-        client.channel.requeue(frame, delay_ms * 1_000_000, now_ns)
-        client.requeue_count += 1
         return None
 
     def TOUCH(self, params, body, now_ns):
         client = self.client
         self._require_state("TOUCH", STATE_SUBSCRIBED, STATE_CLOSING)
         msg_id = self._message_id(params, "TOUCH", 2)
-        touched = client.in_flight.touch(msg_id, now_ns, client.msg_timeout_ns, client.max_msg_timeout_ns) or (
-            client.lease is not None
-            and client.lease.in_flight.touch(msg_id, now_ns, client.msg_timeout_ns, client.max_msg_timeout_ns))
-        if not touched:
-            reason = self._not_in_flight_reason(msg_id)
+        reason = client.sub.touch(msg_id, now_ns)
+        if reason is not None:
             raise ClientError("E_TOUCH_FAILED", f"TOUCH {msg_id.decode(errors='replace')} failed {reason}",
                               fatal=False)
         return None
@@ -497,7 +476,7 @@ class ProtocolV2:
     def CLS(self, params, body, now_ns):
         self._require_state("CLS", STATE_SUBSCRIBED)
         self.client.state = STATE_CLOSING
-        self.client.ready_count = 0
+        self.client.budget.limit = 0
         return _CLOSE_WAIT
 
     def NOP(self, params, body, now_ns):
@@ -520,47 +499,38 @@ class ProtocolV2:
         """``LEASE <name>`` tags this connection's next deliveries; ``LEASE`` alone stops."""
         client = self.client
         name = self._lease_args(params, "LEASE", 1)
-        channel = client.channel
-        if client.lease is not None:
-            channel.seal_lease(client.lease)
-            client.lease = None
+        sub = client.sub
         if not name:
+            sub.close_lease()
             return _lease_response({"lease": "", "count": 0, "reopened": False})
-        lease, resend = channel.open_lease(name, client, now_ns, client.msg_timeout_ns)
-        client.lease = lease
-        response = _lease_response({"lease": name, "count": len(lease.in_flight), "reopened": lease.sealed})
+        _lease, count, reopened, resend = sub.open_lease(name, now_ns)
+        response = _lease_response({"lease": name, "count": count, "reopened": reopened})
         if resend:
-            client.out.append(response)
-            client.out.extend(resend)
-            client.message_count += len(resend)
+            out = self.held or client.out
+            out.append(response)
+            out.extend(resend)
             return None
         return response
 
     def LFIN(self, params, body, now_ns):
         name = self._lease_args(params, "LFIN", 2)
-        count = self.client.channel.finish_lease(name)
-        self.client.finish_count += count
-        return _lease_response({"lease": name, "count": count})
+        return _lease_response({"lease": name, "count": self.client.sub.finish_lease(name)})
 
     def LTOUCH(self, params, body, now_ns):
         name = self._lease_args(params, "LTOUCH", 2)
-        return _lease_response({"lease": name, "count": self.client.channel.touch_lease(name, now_ns)})
+        return _lease_response({"lease": name, "count": self.client.sub.touch_lease(name, now_ns)})
 
     def LREQ(self, params, body, now_ns):
         name = self._lease_args(params, "LREQ", 3)
         delay_ms = min(self._base10(params[2], "LREQ could not parse timeout"),
                        int(self.nsqd.options.max_req_timeout * 1000))
-        count = self.client.channel.requeue_lease(name, delay_ms * 1_000_000, now_ns)
-        self.client.requeue_count += count
+        count = self.client.sub.requeue_lease(name, delay_ms * 1_000_000, now_ns)
         return _lease_response({"lease": name, "count": count})
 
     def PUB(self, params, body, now_ns):
         topic_name = self._topic_name(params, "PUB", 2)
         self._check_auth("PUB", topic_name)
-        msg_id = self.nsqd.guid.new_id()
-        frame = message.encode_frame(msg_id, body, now_ns)
-        self._publish(topic_name, "PUB", lambda t: t.put_chunk([msg_id], [frame], len(body)), 1)
-        return _OK
+        return self._publish(topic_name, "PUB", [body], 0)
 
     def DPUB(self, params, body, now_ns):
         topic_name = self._topic_name(params, "DPUB", 3)
@@ -570,46 +540,31 @@ class ProtocolV2:
         max_ms = int(opts.max_req_timeout * 1000)
         if timeout_ms > max_ms:
             raise ClientError("E_INVALID", f"DPUB timeout {timeout_ms} out of range 0-{max_ms}")
-        msg_id = self.nsqd.guid.new_id()
-        frame = message.encode_frame(msg_id, body, now_ns)
-        if timeout_ms:
-            due_ns = now_ns + timeout_ms * 1_000_000
-            self._publish(topic_name, "DPUB", lambda t: t.put_deferred(frame, due_ns), 1)
-        else:
-            self._publish(topic_name, "DPUB", lambda t: t.put_chunk([msg_id], [frame], len(body)), 1)
-        return _OK
+        return self._publish(topic_name, "DPUB", [body], timeout_ms * 1_000_000)
 
     def MPUB(self, params, body, now_ns):
         topic_name = self._topic_name(params, "MPUB", 2)
         self._check_auth("MPUB", topic_name)
-        ids, frames, nbytes = build_mpub(body, self.nsqd.guid, now_ns,
-                                         self.nsqd.options.max_msg_size, self.nsqd.options.max_body_size)
-        self._publish(topic_name, "MPUB", lambda t: t.put_chunk(ids, frames, nbytes), len(frames))
+        opts = self.nsqd.options
+        return self._publish(topic_name, "MPUB", split_mpub(body, opts.max_msg_size, opts.max_body_size), 0)
+
+    def _publish(self, topic_name: str, cmd: str, bodies, defer_ns: int):
+        try:
+            receipt = self.nsqd.publish(topic_name, bodies, defer_ns=defer_ns)
+        except PublishError as exc:  # the publisher may retry on the same connection
+            raise ClientError(f"E_{cmd}_FAILED", f"{cmd} failed {exc.reason}", fatal=False) from None
+        if not receipt.confirmed:
+            return Unconfirmed(receipt, cmd, topic_name)
+        counts = self.client.pub_counts
+        counts[topic_name] = counts.get(topic_name, 0) + receipt.count
         return _OK
 
-    def _publish(self, topic_name: str, cmd: str, put, count: int) -> None:
-        if self.nsqd.draining:
-            raise ClientError(f"E_{cmd}_FAILED", f"{cmd} failed exiting", fatal=False)
-        try:
-            topic = self.nsqd.get_topic(topic_name)
-            put(topic)
-        except QueueFull as exc:  # the publisher may retry on the same connection
-            raise ClientError(f"E_{cmd}_FAILED", f"{cmd} failed {exc}", fatal=False) from None
-        except Exception as exc:  # disk errors, exiting topics: the publisher must retry
-            if isinstance(exc, ClientError):
-                raise
-            log.error("publish failed", topic=topic_name, error=str(exc))
-            raise ClientError(f"E_{cmd}_FAILED", f"{cmd} failed {exc}") from None
-        counts = self.client.pub_counts
-        counts[topic_name] = counts.get(topic_name, 0) + count
 
+def split_mpub(body: bytes, max_msg_size: int, max_body_size: int) -> list[memoryview]:
+    """The message bodies of an MPUB body (views into it, no copies), validating it whole.
 
-def build_mpub(body: bytes, guid, now_ns: int, max_msg_size: int, max_body_size: int):
-    """Decode an MPUB body into ``(ids, frames, body_bytes)``, validating it whole.
-
-    One pass builds every frame; nothing is published unless the whole body is
-    valid. One timestamp and one id batch per MPUB; a header is encoded once
-    per run of equal body sizes.
+    Nothing is published unless the whole body is valid; the errors are
+    nsqd's (``ClientError`` with its code and text).
     """
     if len(body) < 4:
         raise ClientError("E_BAD_BODY", "MPUB failed to read message count")
@@ -617,36 +572,32 @@ def build_mpub(body: bytes, guid, now_ns: int, max_msg_size: int, max_body_size:
     max_messages = (max_body_size - 4) // 5
     if count <= 0 or count > max_messages or count > 0x7FFFFFFF:
         raise ClientError("E_BAD_BODY", f"MPUB invalid message count {count}")
-    ids = guid.new_ids(count)
     view = memoryview(body)
     unpack = _I32.unpack_from
-    join = b"".join
-    frames = []
-    append = frames.append
+    bodies = []
+    append = bodies.append
     end = len(body)
     pos = 4
     last_size = -1
-    header = b""
-    for msg_id in ids:
+    for index in range(count):
         if pos + 4 > end:
-            raise ClientError("E_BAD_MESSAGE", f"MPUB failed to read message({len(frames)}) body size")
+            raise ClientError("E_BAD_MESSAGE", f"MPUB failed to read message({index}) body size")
         size = unpack(body, pos)[0]
         pos += 4
         if size != last_size:
             if size <= 0:
-                raise ClientError("E_BAD_MESSAGE", f"MPUB invalid message({len(frames)}) body size {size}")
+                raise ClientError("E_BAD_MESSAGE", f"MPUB invalid message({index}) body size {size}")
             if size > max_msg_size:
                 raise ClientError("E_BAD_MESSAGE", f"MPUB message too big {size} > {max_msg_size}")
-            header = message.encode_header(size, now_ns)
             last_size = size
         stop = pos + size
         if stop > end:
             raise ClientError("E_BAD_MESSAGE", "MPUB failed to read message body")
-        append(join((header, msg_id, view[pos:stop])))
+        append(view[pos:stop])
         pos = stop
     if pos != end:
         raise ClientError("E_BAD_BODY", f"MPUB body has {end - pos} bytes after its {count} messages")
-    return ids, frames, end - 4 - 4 * count
+    return bodies
 
 
 def _identify(client: ClientV2, data: dict, opts) -> None:

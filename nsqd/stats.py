@@ -216,13 +216,13 @@ def _topic_stats(t: Topic, channels: tuple[ChannelStats, ...], now_ns: int) -> T
         paused=t.paused,
         e2e_processing_latency=_e2e([c.e2e for c in t.channels.values() if c.e2e is not None], now_ns),
         dropped_count=t.dropped_count,
-        max_messages=t.max_messages,
+        max_messages=t.policy.max_messages,
     )
 
 
 def _channel_stats(c: Channel, topic_filter: str | None, include_clients: bool, now_ns: int) -> ChannelStats:
-    consumers = sorted(c.consumers.items(), key=lambda item: item[0])
-    clients = tuple(client_stats(consumer, topic_filter) for _, consumer in consumers) if include_clients else ()
+    consumers = sorted(c.subscriptions.items(), key=lambda item: item[0])
+    clients = tuple(client_stats(sub.consumer, topic_filter) for _, sub in consumers) if include_clients else ()
     return ChannelStats(
         channel_name=c.name,
         depth=c.depth,
@@ -240,9 +240,9 @@ def _channel_stats(c: Channel, topic_filter: str | None, include_clients: bool, 
         dropped_count=c.dropped_count,
         dead_letter_count=c.dead_letter_count,
         expired_count=c.expired_count,
-        max_messages=c.max_messages,
-        max_bytes=c.max_bytes,
-        max_attempts=c.max_attempts,
+        max_messages=c.policy.max_messages,
+        max_bytes=c.policy.max_bytes,
+        max_attempts=c.policy.max_attempts,
     )
 
 
@@ -266,7 +266,7 @@ def client_stats(client: object, topic_filter: str | None = None) -> ClientStats
         remote_address=get("remote_address"),
         state=state,
         ready_count=get("ready_count", 0),
-        in_flight_count=len(get("in_flight", ())),
+        in_flight_count=get("in_flight_count", 0),
         message_count=get("message_count", 0),
         finish_count=get("finish_count", 0),
         requeue_count=get("requeue_count", 0),

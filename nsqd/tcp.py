@@ -26,7 +26,8 @@ import trio
 from . import auth, message, tls
 from .client_v2 import ClientV2
 from .compression import DeflateStream, SnappyStream
-from .protocol_v2 import HEARTBEAT, MAGIC_V2, ProtocolV2
+from .broker import PublishError
+from .protocol_v2 import HEARTBEAT, MAGIC_V2, ProtocolV2, Unconfirmed
 from .write_turn import WriteTurn
 
 if TYPE_CHECKING:
@@ -93,6 +94,7 @@ async def _serve(nsqd: NSQD, stream: trio.SocketStream, remote: str) -> None:
     try:
         await connection.run(magic[4:])
     finally:
+        client.unsubscribe()
         nsqd.remove_client(client)
 
 
@@ -147,11 +149,15 @@ class Connection:
         while True:
             if data:
                 protocol.receive_data(data, self.nsqd.now_ns())
+                if protocol.held:
+                    await self._confirm()
                 await self._flush(wait=True)
                 while protocol.pending and not protocol.closed:
                     await self._perform(protocol.pending.pop(0))
                     if not protocol.pending:
                         protocol.resume(self.nsqd.now_ns())
+                    if protocol.held:
+                        await self._confirm()
                     await self._flush(wait=True)
                 if protocol.closed:
                     return
@@ -183,6 +189,27 @@ class Connection:
                 self._cancel_scope.cancel()
                 return
             await self._flush(wait=False)
+
+    async def _confirm(self) -> None:
+        """Wait for the receipts of durable publishes, then release the answers held behind them.
+
+        Nothing more is read meanwhile (the publisher waits for its OK anyway);
+        the pump keeps delivering messages to this connection.
+        """
+        protocol = self.protocol
+        held, protocol.held = protocol.held, []
+        frames = []
+        for item in held:
+            if type(item) is Unconfirmed:
+                try:
+                    await item.receipt.wait()
+                except PublishError as exc:
+                    frames.append(protocol.answer(item, exc.reason))
+                else:
+                    frames.append(protocol.answer(item, None))
+            else:
+                frames.append(item)
+        self.client.out.extend(frames)
 
     async def _perform(self, step: tuple) -> None:
         """One async step a command asked for: a stream upgrade or an auth query."""

@@ -1,11 +1,18 @@
 """A topic: copies every published message into each of its channels.
 
 Fan-out is synchronous and copies nothing: every channel receives a reference
-to the same chunk of frames. While a topic has no channel, or is paused, it
-keeps what is published itself (memory up to ``mem_queue_size``, then its own
-disk queue), as nsqd does, and hands that backlog on once it can: the memory
-part at once, the disk part in bounded steps driven by the daemon
-(:meth:`move_backlog`), so a deep backlog never stalls the event loop.
+to the same chunk of frames. A publish is all or nothing across channels:
+each channel first writes what must be on disk (:meth:`Channel.prepare_put`),
+and only when every write succeeded do they queue it, so a full disk refuses
+the publish and leaves no partial copy behind.
+
+While a topic has no channel, or is paused, it keeps what is published itself
+(memory up to ``mem_queue_size``, then its own disk queue; a durable publish
+goes to disk at once), as nsqd does, and hands that backlog on once it can:
+the memory part at once, the disk part in bounded steps driven by the daemon
+(:meth:`move_backlog`), so a deep backlog never stalls the event loop. A disk
+record is released only once every channel has its copy (durably, for a
+durable topic).
 """
 
 from __future__ import annotations
@@ -16,8 +23,10 @@ from typing import TYPE_CHECKING, Callable
 import structlog
 
 from . import message
-from .channel import Channel, ChannelExiting
+from .channel import Channel, ChannelExiting, PendingPut
+from .diskq import DiskQueueError
 from .e2e import LatencyWindow
+from .policy import TopicPolicy, with_channel_changes
 
 if TYPE_CHECKING:
     from .diskq import DiskQueue
@@ -39,31 +48,23 @@ class Topic:
         *,
         mem_queue_size: int,
         backend: DiskQueue | None,
-        max_messages: int = 0,
-        channel_max_messages: int = 0,
+        policy: TopicPolicy = TopicPolicy(),
+        clock: Callable[[], int] = lambda: 0,
         open_channel_backend: Callable[[str, str], DiskQueue | None],
         on_channels_changed: Callable[[Topic], None],
         on_backlog: Callable[[Topic], None],
         on_last_channel_gone: Callable[[Topic], None],
+        dead_letter: Callable[[list[bytes]], None] | None = None,
+        lease_timeout_ns: int = 60_000_000_000,
+        e2e: tuple[int, list[float]] | None = None,
+        disk_full: Callable[[], bool] = lambda: False,
     ) -> None:
         self.name = name
         self.ephemeral = name.endswith("#ephemeral")
         self.mem_queue_size = mem_queue_size
         self.backend = backend
-        self.max_messages = max_messages
-        self.channel_max_bytes = 0
-        #: the daemon's global disk budget: True while it is used up
-        self.disk_full: Callable[[], bool] = lambda: False
-        # policies beyond nsqd, applied to channels as they are created
-        self.overflow = "reject"
-        self.max_attempts = 0
-        self.ttl_ns = 0
-        self.dead_letter: Callable[[list[bytes]], None] | None = None
-        #: set by the daemon when e2e latency percentiles are configured
-        self.e2e_percentiles: list[float] = []
-        self.e2e_window_ns = 0
-        self.e2e_now: Callable[[], int] = lambda: 0
-        self.channel_max_messages = channel_max_messages
+        self.policy = policy
+        self.clock = clock
         self.channels: dict[str, Channel] = {}
         self.paused = False
         self.exiting = False
@@ -71,12 +72,26 @@ class Topic:
         self._on_channels_changed = on_channels_changed
         self._on_backlog = on_backlog
         self._on_last_channel_gone = on_last_channel_gone
+        self._dead_letter = dead_letter
+        self._lease_timeout_ns = lease_timeout_ns
+        #: (window ns, percentiles) when e2e latency is tracked
+        self._e2e = e2e
+        #: the daemon's global disk budget: True while it is used up
+        self._disk_full = disk_full
         # backlog kept while there is no channel or the topic is paused
         self._chunks: deque[tuple[list[bytes], list[bytes], int]] = deque()
         self._mem_count = 0
+        #: records read from the backend whose channel copies are not durable yet (kept meanwhile)
+        self._moving: list[tuple[int, int, None]] = []
+        #: frames read from the backend that no channel could take yet (a full disk), with positions
+        self._retry: list[tuple[bytes, int]] = []
+        #: the last backlog step could not be written (a full disk): the mover waits before the next
+        self.stalled = False
         self.message_count = 0
         self.message_bytes = 0
         self.dropped_count = 0
+        if backend is not None:
+            backend.keeper = self._kept
 
     # ------------------------------------------------------------- stats
     @property
@@ -85,28 +100,31 @@ class Topic:
 
     @property
     def depth(self) -> int:
-        return self._mem_count + self.backend_depth
+        return self._mem_count + len(self._retry) + self.backend_depth
 
     # ---------------------------------------------------------- channels
-    def get_channel(self, name: str) -> Channel:
+    def get_channel(self, name: str, overrides: dict | None = None) -> Channel:
         channel = self.channels.get(name)
         if channel is None:
             if self.exiting:
                 raise ChannelExiting("exiting")
+            overrides = overrides or {}
+            e2e = None
+            if self._e2e is not None:
+                e2e = LatencyWindow(self._e2e[0], self._e2e[1], self.clock())
             channel = Channel(
                 self.name,
                 name,
                 mem_queue_size=self.mem_queue_size,
                 backend=self._open_channel_backend(self.name, name),
+                policy=with_channel_changes(self.policy.channel, overrides),
+                overrides=overrides,
+                clock=self.clock,
+                lease_timeout_ns=self._lease_timeout_ns,
+                dead_letter=self._dead_letter,
+                e2e=e2e,
                 on_last_consumer_gone=self._ephemeral_channel_gone,
             )
-            if self.e2e_percentiles:
-                channel.e2e = LatencyWindow(self.e2e_window_ns, self.e2e_percentiles, self.e2e_now())
-            channel.max_messages = self.channel_max_messages
-            channel.max_bytes = self.channel_max_bytes
-            channel.max_attempts = self.max_attempts
-            channel.ttl_ns = self.ttl_ns
-            channel.dead_letter = self.dead_letter
             self.channels[name] = channel
             self._on_channels_changed(self)
             self._release_backlog()
@@ -115,8 +133,9 @@ class Topic:
     def delete_channel(self, name: str) -> None:
         channel = self.channels.pop(name)
         channel.exiting = True
-        for consumer_id in list(channel.consumers):
-            channel.remove_consumer(consumer_id)
+        for sub in list(channel.subscriptions.values()):
+            sub.consumer.close()
+            sub.close()
         if channel.backend is not None:
             channel.backend.delete()
         self._on_channels_changed(self)
@@ -127,40 +146,47 @@ class Topic:
         if self.channels.get(channel.name) is channel:
             self.delete_channel(channel.name)
 
-    # ------------------------------------------------------------ publish
+    def set_policy(self, policy: TopicPolicy) -> None:
+        """A new policy in one step; channels follow its channel defaults where they have no override."""
+        self.policy = policy
+        for channel in self.channels.values():
+            channel.set_policy(with_channel_changes(policy.channel, channel.overrides))
+
+    # ------------------------------------------------------------ limits
     def room(self) -> int | None:
         """How many more messages the limits allow; None when unbounded."""
         room = None
-        if self.max_messages:
-            room = self.max_messages - self.depth
+        if self.policy.max_messages:
+            room = self.policy.max_messages - self.depth
         for channel in self.channels.values():
-            if channel.max_messages:
-                channel_room = channel.max_messages - channel.depth
+            if channel.policy.max_messages:
+                channel_room = channel.policy.max_messages - channel.depth
                 room = channel_room if room is None else min(room, channel_room)
         return room
 
     def byte_room(self) -> int | None:
         """How many more bytes the channels' byte limits allow; None when unbounded."""
-        rooms = [c.max_bytes - c.depth_bytes for c in self.channels.values() if c.max_bytes]
+        rooms = [c.policy.max_bytes - c.depth_bytes for c in self.channels.values() if c.policy.max_bytes]
         return min(rooms) if rooms else None
 
     @property
     def bounded(self) -> bool:
-        return bool(self.max_messages) or any(c.max_messages or c.max_bytes for c in self.channels.values())
+        return bool(self.policy.max_messages) or any(
+            c.policy.max_messages or c.policy.max_bytes for c in self.channels.values())
 
     @property
     def accepting(self) -> bool:
-        if self.disk_full():
+        if self._disk_full():
             return False
-        if self.overflow != "reject" or not self.bounded:
+        if self.policy.overflow != "reject" or not self.bounded:
             return True
         room, byte_room = self.room(), self.byte_room()
         return (room is None or room > 0) and (byte_room is None or byte_room > 0)
 
     def _check_room(self, frames: list[bytes]) -> None:
-        if self.disk_full():
+        if self._disk_full():
             raise QueueFull(f"topic {self.name}: the daemon's disk budget (--max-disk-bytes) is used up")
-        if self.overflow == "reject" and self.bounded:
+        if self.policy.overflow == "reject" and self.bounded:
             count = len(frames)
             room = self.room()
             if room is not None and count > room:
@@ -173,20 +199,22 @@ class Topic:
                     f"topic {self.name} is full: {sum(map(len, frames))} more bytes would pass a channel's "
                     f"byte limit (room for {max(byte_room, 0)})")
 
-    def _trim(self, now_ns: int) -> None:
+    def _trim(self) -> None:
         """drop-oldest: every queue past its limit loses its oldest messages."""
         for channel in self.channels.values():
-            if channel.max_messages and channel.depth > channel.max_messages:
-                channel.drop_oldest(channel.depth - channel.max_messages, now_ns)
-            if channel.max_bytes:
+            limit = channel.policy.max_messages
+            if limit and channel.depth > limit:
+                channel.drop_oldest(channel.depth - limit)
+            max_bytes = channel.policy.max_bytes
+            if max_bytes:
                 for _ in range(8):  # each step drops about the excess, by the average size
-                    excess = channel.depth_bytes - channel.max_bytes
+                    excess = channel.depth_bytes - max_bytes
                     if excess <= 0 or not channel.depth:
                         break
                     average = max(channel.depth_bytes // channel.depth, 1)
-                    channel.drop_oldest(-(-excess // average), now_ns)
-        if self.max_messages and self.depth > self.max_messages:
-            self._drop_oldest(self.depth - self.max_messages)
+                    channel.drop_oldest(-(-excess // average))
+        if self.policy.max_messages and self.depth > self.policy.max_messages:
+            self._drop_oldest(self.depth - self.policy.max_messages)
 
     def _drop_oldest(self, count: int) -> None:
         dropped = 0
@@ -203,84 +231,141 @@ class Topic:
             dropped += len(self.backend.read_many(count - dropped))
         self.dropped_count += dropped
 
-    def put_chunk(self, ids: list[bytes], frames: list[bytes], nbytes: int) -> None:
+    # ------------------------------------------------------------ publish
+    def publish(self, ids: list[bytes], frames: list[bytes], nbytes: int, *, durable: bool = False,
+                due_ns: int = 0) -> list[DiskQueue]:
+        """Store a batch in every channel (or the topic's backlog); all or nothing.
+
+        Returns the disk queues whose next fsync makes it durable (empty
+        unless ``durable``). Raises QueueFull at a limit and DiskQueueError
+        when it cannot be written; nothing of the batch is stored then.
+        """
+        if not frames:
+            return []
         self._check_room(frames)
+        channels = self.channels
+        if channels and not self.paused:
+            self._fan_out(ids, frames, durable, due_ns)
+            queues = [c.backend for c in channels.values() if durable and c.backend is not None]
+        else:
+            queues = self._keep(ids, frames, due_ns, durable)
         self.message_count += len(frames)
         self.message_bytes += nbytes
-        if self.channels and not self.paused:
-            for channel in self.channels.values():
-                channel.put_chunk(ids, frames)
-        else:
-            self._keep(ids, frames, 0)
-        if self.overflow != "reject" and self.bounded:
-            self._trim(0)
+        if self.policy.overflow != "reject" and self.bounded:
+            self._trim()
+        return queues
 
-    def put_deferred(self, frame: bytes, due_ns: int) -> None:
-        self._check_room([frame])
-        self.message_count += 1
-        self.message_bytes += len(frame) - message.FRAME_OVERHEAD
-        if self.channels and not self.paused:
+    def _fan_out(self, ids: list[bytes], frames: list[bytes], durable: bool, due_ns: int) -> None:
+        prepared: list[PendingPut] = []
+        try:
             for channel in self.channels.values():
-                channel.put_deferred(frame, due_ns)
-        else:
-            self._keep([message.frame_id(frame)], [frame], due_ns)
+                prepared.append(channel.prepare_put(ids, frames, durable, due_ns))
+        except DiskQueueError:
+            for put in prepared:
+                put.channel.abort_put(put)
+            raise
+        for put in prepared:
+            put.channel.commit_put(put)
 
-    def _keep(self, ids: list[bytes], frames: list[bytes], due_ns: int) -> None:
+    def _keep(self, ids: list[bytes], frames: list[bytes], due_ns: int, durable: bool) -> list[DiskQueue]:
+        backend = self.backend
+        if durable and backend is not None:
+            backend.put_many(frames if not due_ns else [message.to_disk(f, due_ns=due_ns) for f in frames])
+            return [backend]
         room = self.mem_queue_size - self._mem_count
-        if len(frames) <= room:
-            self._chunks.append((ids, frames, due_ns))
-            self._mem_count += len(frames)
-            return
-        if room > 0:
-            self._chunks.append((ids[:room], frames[:room], due_ns))
-            self._mem_count += room
-            frames = frames[room:]
-        if self.backend is None:
-            self.dropped_count += len(frames)
-            log.warning("ephemeral topic full, dropping", topic=self.name, dropped=len(frames))
-        elif due_ns:
-            self.backend.put_many([message.to_disk(f, due_ns=due_ns) for f in frames])
-        else:
-            self.backend.put_many(frames)  # a plain frame is its own disk payload
+        keep = min(len(frames), max(room, 0))
+        rest = frames[keep:]
+        if rest and backend is not None:
+            backend.put_many(rest if not due_ns else [message.to_disk(f, due_ns=due_ns) for f in rest])
+        if keep:
+            self._chunks.append((ids[:keep], frames[:keep], due_ns) if keep < len(frames) else (ids, frames, due_ns))
+            self._mem_count += keep
+        if rest and backend is None:
+            self.dropped_count += len(rest)
+            log.warning("ephemeral topic full, dropping", topic=self.name, dropped=len(rest))
+        return []
 
     # ------------------------------------------------------------ backlog
     def _release_backlog(self) -> None:
         if not self.channels or self.paused:
             return
         while self._chunks:
-            ids, frames, due_ns = self._chunks.popleft()
+            ids, frames, due_ns = self._chunks[0]
+            try:
+                self._fan_out(ids, frames, False, due_ns)
+            except DiskQueueError as exc:  # a full disk: kept here, handed on by the backlog mover
+                log.error("topic backlog kept until the disk has room", topic=self.name, error=str(exc))
+                self.stalled = True
+                break
+            self._chunks.popleft()
             self._mem_count -= len(frames)
-            self._deliver(ids, frames, due_ns)
-        if self.backend_depth:
+        if self.backend_depth or self._retry or self._chunks:
             self._on_backlog(self)
 
-    def _deliver(self, ids: list[bytes], frames: list[bytes], due_ns: int) -> None:
-        for channel in self.channels.values():
-            if due_ns:
-                for frame in frames:
-                    channel.put_deferred(frame, due_ns)
-            else:
-                channel.put_chunk(ids, frames)
+    def move_backlog(self) -> tuple[bool, list[DiskQueue]]:
+        """Move one step of the backlog to the channels.
 
-    def move_backlog(self) -> bool:
-        """Move one step of the disk backlog to the channels; True if more remains."""
-        if not self.channels or self.paused or self.backend is None:
-            return False
-        frames: list[bytes] = []
-        for payload in self.backend.read_many(BACKLOG_STEP):
+        Returns whether more remains and, for a durable topic, the channel
+        queues to fsync before :meth:`backlog_moved` may release the step.
+        """
+        if not self.channels or self.paused:
+            return False, []
+        if self._chunks:
+            self._release_backlog()
+            if self._chunks:
+                return True, []
+        durable = self.policy.durable
+        items = self._retry
+        self._retry = []
+        if not items and self.backend is not None:
             try:
-                frame, due_ns, _failed = message.from_disk(payload)
-            except message.BadRecord as exc:
-                self.dropped_count += 1
-                log.error("undecodable message on disk", topic=self.name, error=str(exc))
-                continue
-            if due_ns:
-                self._deliver([message.frame_id(frame)], [frame], due_ns)
-            else:
-                frames.append(frame)
-        if frames:
-            self._deliver(list(map(message.frame_id_of, frames)), frames, 0)
-        return self.backend.depth > 0
+                payloads, positions = self.backend.read_positioned(BACKLOG_STEP)
+            except DiskQueueError as exc:
+                log.error("cannot read the topic's disk queue", topic=self.name, error=str(exc))
+                return False, []
+            items = list(zip(payloads, positions))
+        if not items:
+            return False, []
+        plain: list[tuple[bytes, int]] = []
+        done: set[int] = set()
+        try:
+            for payload, pos in items:
+                try:
+                    frame, due_ns, _failed = message.from_disk(payload)
+                except message.BadRecord as exc:
+                    self.dropped_count += 1
+                    done.add(pos)
+                    log.error("undecodable message on disk", topic=self.name, error=str(exc))
+                    continue
+                if due_ns:
+                    self._fan_out([message.frame_id(frame)], [frame], durable, due_ns)
+                    done.add(pos)
+                else:
+                    plain.append((frame, pos))
+            if plain:
+                frames = [frame for frame, _ in plain]
+                self._fan_out(list(map(message.frame_id_of, frames)), frames, durable, 0)
+                done.update(pos for _, pos in plain)
+        except DiskQueueError as exc:
+            log.error("topic backlog kept until the disk has room", topic=self.name, error=str(exc))
+            self._retry = [(payload, pos) for payload, pos in items if pos not in done]
+            self.stalled = True
+        else:
+            self.stalled = False
+        queues: list[DiskQueue] = []
+        if durable and done:
+            self._moving.append((min(done), max(done), None))
+            queues = [c.backend for c in self.channels.values() if c.backend is not None]
+        more = bool(self.backend is not None and self.backend.depth) or bool(self._retry)
+        return more, queues
+
+    def backlog_moved(self) -> None:
+        """The channel copies of the moved steps are durable: their topic records may go."""
+        self._moving.clear()
+
+    def _kept(self) -> tuple[list, int]:
+        kept = list(self._moving) + [(pos, pos, None) for _, pos in self._retry]
+        return kept, len(self._retry)
 
     # -------------------------------------------------------------- admin
     def take_backlog(self, count: int) -> list[bytes]:
@@ -313,13 +398,16 @@ class Topic:
     def empty(self) -> None:
         self._chunks.clear()
         self._mem_count = 0
+        self._retry.clear()
+        self._moving.clear()
         if self.backend is not None:
             self.backend.empty()
 
-    def persistable(self):
-        """Disk payloads for the memory backlog, for an orderly shutdown."""
-        for _ids, frames, due_ns in self._chunks:
-            for frame in frames:
-                yield message.to_disk(frame, due_ns=due_ns)
+    def persist(self) -> int:
+        """Shutdown: write the memory backlog to disk; returns how many messages."""
+        records = [message.to_disk(f, due_ns=due_ns) for _, frames, due_ns in self._chunks for f in frames]
+        if records:
+            self.backend.put_many(records)
         self._chunks.clear()
         self._mem_count = 0
+        return len(records)

@@ -92,3 +92,17 @@ class HTTPClient:
 
     async def put(self, target: str, body: bytes = b"", **kwargs) -> HTTPResponse:
         return await self.request("PUT", target, body, **kwargs)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The crash rounds' figures: kills, confirmed messages, losses and duplicates per mode."""
+    import sys
+
+    crash = sys.modules.get("tests.test_crash")
+    if crash is None or not crash.REPORT:
+        return
+    terminalreporter.section("crash rounds (SIGKILL under load)")
+    for mode, figures in crash.REPORT.items():
+        terminalreporter.write_line(
+            f"{mode}: {figures['kills']} kills, {figures['confirmed']} confirmed, {figures['lost']} lost, "
+            f"{figures['duplicates']} delivered twice")

@@ -273,7 +273,7 @@ def _section(code: int, value) -> bytes:
     (b"\x00\x80" + (0x75).to_bytes(8, "big") + encode(b"long"), b"long"),
 ])
 def test_message_body(payload, body):
-    assert sections.message_body(payload) == body
+    assert sections.message_body(payload)[0] == body
 
 
 @pytest.mark.parametrize("payload", [
@@ -310,3 +310,14 @@ def test_nsq_message_as_amqp_message():
     assert failed.header.delivery_count == 2
     big = sections.decode_message(encode_delivery(message.encode_frame(b"0123456789abcdef", b"y" * 1000, 0)))
     assert big.body == [sections.Data(b"y" * 1000)]
+
+
+@pytest.mark.parametrize("payload, durable", [
+    (sections.Header(durable=True).encode_amqp() + _section(0x75, b"x"), True),
+    (sections.Header(durable=False, priority=9).encode_amqp() + _section(0x75, b"x"), False),
+    (bytes.fromhex("0053704500537345005377a00568656c6c6f"), False),  # an empty header list
+    (_section(0x75, b"x"), False),
+    (b"\x00\x80" + (0x70).to_bytes(8, "big") + encode([True]) + _section(0x75, b"x"), True),  # slow path
+])
+def test_message_body_tells_a_durable_message(payload, durable):
+    assert sections.message_body(payload) == (b"x" if durable or payload[-1:] == b"x" else b"hello", durable)

@@ -152,8 +152,8 @@ async def test_consume_with_credit_and_stats_show_the_consumer(tmp_path):
         assert [m.id for m in got] == [r.id.decode() for r in reference[:3]]
         assert [round(m.creation_time * 1000) for m in got] == [r.timestamp // 1_000_000 for r in reference[:3]]
         channel = nsqd.topics["events"].channels["c"]
-        (consumer,) = channel.consumers.values()
-        assert len(consumer.in_flight) == 3 and consumer.ready_count == 0
+        (consumer,) = [sub.consumer for sub in channel.subscriptions.values()]
+        assert consumer.in_flight_count == 3 and consumer.ready_count == 0
         snapshot = stats.snapshot(nsqd)
         (client,) = [c for t in snapshot.topics for ch in t.channels if ch.channel_name == "c" for c in ch.clients]
         assert client.user_agent == f"amqp/{conn.conn.container}"
@@ -172,7 +172,7 @@ async def test_consume_with_credit_and_stats_show_the_consumer(tmp_path):
         got, stopped = await in_thread(take, 2)
         assert [bytes(m.body) for m in got] == [b"e3", b"e4"] and stopped
         await in_thread(conn.close)
-        await eventually(lambda: not channel.consumers)
+        await eventually(lambda: not channel.subscriptions)
         assert channel.depth == 11  # nothing was accepted: all came back
 
 
@@ -221,7 +221,7 @@ async def test_dispositions_map_onto_fin_requeue_and_reject(tmp_path):
         receiver = await in_thread(settle_each)
         await eventually(lambda: channel.depth == 2 and channel.in_flight_count == 0)
         assert channel.rejected_count == 2
-        (consumer,) = channel.consumers.values()
+        (consumer,) = [sub.consumer for sub in channel.subscriptions.values()]
         assert consumer.finish_count == 1 and consumer.requeue_count == 2
 
         def redeliver():
@@ -275,7 +275,7 @@ async def test_presettled_receiver_is_at_most_once(tmp_path):
             return got
 
         assert await in_thread(receive) == [b"t1", b"t2", b"t3"]
-        await eventually(lambda: not channel.consumers)
+        await eventually(lambda: not channel.subscriptions)
         assert channel.depth == 0 and channel.in_flight_count == 0
 
 
@@ -347,7 +347,7 @@ async def test_amqp_and_nsq_consumers_share_one_channel(tmp_path):
         conn = await in_thread(connect, nsqd)
         receiver = await in_thread(lambda: conn.create_receiver("/topics/shared/channels/c", credit=0))
         await in_thread(receiver.flow, 5)
-        await eventually(lambda: len(nsqd.topics["shared"].channels["c"].consumers) == 2)
+        await eventually(lambda: len(nsqd.topics["shared"].channels["c"].subscriptions) == 2)
         await nsq_publish(nsqd, "shared", [b"%d" % i for i in range(10)])
         via_nsq = [await nsq.read_message() for _ in range(5)]
         via_amqp = await in_thread(lambda: wait_messages(conn, receiver, 5))

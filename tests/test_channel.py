@@ -1,40 +1,46 @@
-"""Channel and in-flight bookkeeping, driven directly (no sockets, no disk)."""
+"""Channel, subscription and in-flight bookkeeping, driven directly (no sockets, no disk)."""
 
 import pytest
 
 from nsqd import message
 from nsqd.channel import Channel
 from nsqd.in_flight import InFlight
+from nsqd.policy import ChannelPolicy
+from nsqd.subscription import NOT_IN_FLIGHT, NOT_OWNED, Budget
 
 S = 1_000_000_000
 
 
 class Consumer:
-    """A consumer that takes what it is given (the unit-test stand-in for a client)."""
+    """The connection side of a subscription (the unit-test stand-in for a client)."""
 
-    def __init__(self, rdy=100):
-        self.in_flight = InFlight()
-        self.rdy = rdy
+    def __init__(self):
         self.woken = 0
-        self.timed_out = 0
         self.closed = False
 
     def wake(self):
         self.woken += 1
-        return max(self.rdy - len(self.in_flight), 0)
-
-    def messages_timed_out(self, count):
-        self.timed_out += count
 
     def close(self):
         self.closed = True
 
-    def fill(self, channel, now, timeout=60 * S):
-        got = []
-        for ids, frames in channel.take(self.rdy - len(self.in_flight), self, now):
-            self.in_flight.add(ids, frames, now + timeout, now)
-            got += frames
-        return got
+    def drain(self):
+        pass
+
+    def timed_out(self, count):
+        pass
+
+
+def subscribe(channel, rdy=100, timeout=60 * S, budget=None, sub_id=None):
+    consumer = Consumer()
+    budget = budget or Budget(rdy)
+    sub = channel.subscribe(consumer, sub_id or len(channel.subscriptions) + 1, budget, msg_timeout_ns=timeout,
+                            max_msg_timeout_ns=15 * 60 * S)
+    return sub, consumer
+
+
+def fill(sub, now=0):
+    return [f for _, frames, _ in sub.take(sub.budget.limit, now) for f in frames]
 
 
 def chunk(n, start=0, ts=1):
@@ -46,66 +52,78 @@ def ids_of(frames):
     return [message.frame_id(f) for f in frames]
 
 
+def channel(mem_queue_size=100, name="c", **kwargs):
+    return Channel("t", name, mem_queue_size=mem_queue_size, backend=None, **kwargs)
+
+
 def test_fan_out_chunk_is_shared_and_split_between_takes():
-    a = Channel("t", "a", mem_queue_size=100, backend=None)
-    b = Channel("t", "b", mem_queue_size=100, backend=None)
+    a, b = channel(name="a"), channel(name="b")
     ids, frames = chunk(10)
     a.put_chunk(ids, frames)
     b.put_chunk(ids, frames)
-    ca, cb = Consumer(rdy=4), Consumer(rdy=10)
-    a.add_consumer(1, ca)
-    b.add_consumer(1, cb)
-    first = ca.fill(a, 0)
+    sa, _ = subscribe(a, rdy=4)
+    sb, _ = subscribe(b, rdy=10)
+    first = fill(sa)
     assert ids_of(first) == ids[:4]
     assert first[0] is frames[0]  # no copy of the message bytes
-    assert ids_of(cb.fill(b, 0)) == ids
-    ca.in_flight.map.clear()
-    assert ids_of(ca.fill(a, 0)) == ids[4:8]
+    assert ids_of(fill(sb)) == ids
+    assert sa.finish(ids[:4]) == []
+    assert ids_of(fill(sa)) == ids[4:8]
     assert a.depth == 2 and b.depth == 0
     assert a.in_flight_count == 4 and a.message_count == 10
 
 
 def test_memory_bound_drops_ephemeral_overflow_and_counts_it():
-    ch = Channel("t", "c#ephemeral", mem_queue_size=5, backend=None)
+    ch = channel(mem_queue_size=5, name="c#ephemeral")
     ch.put_chunk(*chunk(8))
     assert ch.depth == 5 and ch.dropped_count == 3
 
 
 def test_hungry_consumer_is_woken_once_messages_arrive():
-    ch = Channel("t", "c", mem_queue_size=100, backend=None)
-    c = Consumer()
-    ch.add_consumer(1, c)
-    assert c.fill(ch, 0) == []
+    ch = channel()
+    sub, consumer = subscribe(ch)
+    assert fill(sub) == []
     ch.put_chunk(*chunk(3))
-    assert c.woken == 1
+    assert consumer.woken == 1
     ch.put_chunk(*chunk(3, 3))
-    assert c.woken == 1  # only hungry consumers are woken
+    assert consumer.woken == 1  # only hungry consumers are woken
 
 
 def test_wake_spreads_over_hungry_consumers_by_capacity():
-    ch = Channel("t", "c", mem_queue_size=100, backend=None)
-    small, other = Consumer(rdy=2), Consumer(rdy=2)
-    ch.add_consumer(1, small)
-    ch.add_consumer(2, other)
-    small.fill(ch, 0)
-    other.fill(ch, 0)
+    ch = channel()
+    small, small_consumer = subscribe(ch, rdy=2)
+    other, other_consumer = subscribe(ch, rdy=2)
+    fill(small)
+    fill(other)
     ch.put_chunk(*chunk(1))
-    assert (small.woken, other.woken) == (1, 0)
+    assert (small_consumer.woken, other_consumer.woken) == (1, 0)
     ch.put_chunk(*chunk(4, 1))
-    assert other.woken == 1
+    assert other_consumer.woken == 1
+
+
+def test_finish_checks_ownership():
+    ch = channel()
+    ids, frames = chunk(2)
+    ch.put_chunk(ids, frames)
+    first, _ = subscribe(ch, rdy=1)
+    second, _ = subscribe(ch, rdy=1)
+    fill(first)
+    fill(second)
+    assert second.finish([ids[0], b"f" * 16]) == [(ids[0], NOT_OWNED), (b"f" * 16, NOT_IN_FLIGHT)]
+    assert first.finish([ids[0]]) == [] and first.finish_count == 1
+    assert second.requeue(ids[0], 0, 0) == NOT_IN_FLIGHT
 
 
 def test_timeout_requeues_to_front_with_attempts_bumped():
-    ch = Channel("t", "c", mem_queue_size=100, backend=None)
-    c = Consumer(rdy=2)
-    ch.add_consumer(1, c)
+    ch = channel()
+    sub, _ = subscribe(ch, rdy=2, timeout=10)
     ids, frames = chunk(4)
     ch.put_chunk(ids, frames)
-    c.fill(ch, 0, timeout=10)
+    fill(sub)
     assert ch.process_in_flight(5) is False
     assert ch.process_in_flight(10) is True
-    assert ch.timeout_count == 2 and c.timed_out == 2 and len(c.in_flight) == 0
-    again = c.fill(ch, 11)
+    assert ch.timeout_count == 2 and sub.timeout_count == 2 and len(sub.in_flight) == 0
+    again = fill(sub, 11)
     assert ids_of(again) == ids[:2]
     assert [message.frame_attempts(f) for f in again] == [2, 2]
 
@@ -113,74 +131,93 @@ def test_timeout_requeues_to_front_with_attempts_bumped():
 def test_touch_moves_deadline_and_respects_max():
     flight = InFlight()
     ids, frames = chunk(2)
-    flight.add(ids, frames, 10, 0)
+    flight.add(ids, frames, None, 10, 0)
     assert flight.touch(ids[0], 8, 10, 15)
     assert flight.peek(2) == [(ids[1], 10), (ids[0], 15)]
-    assert ids_of(flight.expire(14)) == [ids[1]]
-    assert ids_of(flight.expire(15)) == [ids[0]]
+    assert ids_of([f for f, _ in flight.expire(14)]) == [ids[1]]
+    assert ids_of([f for f, _ in flight.expire(15)]) == [ids[0]]
     assert not flight.touch(ids[0], 0, 1, 1)
 
 
 def test_req_with_delay_defers_then_releases():
-    ch = Channel("t", "c", mem_queue_size=100, backend=None)
-    c = Consumer(rdy=1)
-    ch.add_consumer(1, c)
+    ch = channel()
+    sub, _ = subscribe(ch, rdy=1)
     ids, frames = chunk(1)
     ch.put_chunk(ids, frames)
-    c.fill(ch, 0)
-    frame = c.in_flight.take(ids[0])
-    ch.requeue(frame, 5 * S, now_ns=0)
+    fill(sub)
+    assert sub.requeue(ids[0], 5 * S, 0) is None
     assert ch.deferred_count == 1 and ch.depth == 0 and ch.requeue_count == 1
     assert ch.process_deferred(4 * S) is False
     assert ch.process_deferred(5 * S) is True
     assert ch.deferred_count == 0 and ch.depth == 1
-    assert message.frame_attempts(c.fill(ch, 6 * S)[0]) == 2
+    assert message.frame_attempts(fill(sub, 6 * S)[0]) == 2
 
 
-def test_removed_consumer_gives_back_messages_in_order():
-    ch = Channel("t", "c", mem_queue_size=100, backend=None)
-    a, b = Consumer(rdy=3), Consumer(rdy=10)
-    ch.add_consumer(1, a)
-    ch.add_consumer(2, b)
+def test_closed_subscription_gives_back_messages_in_order():
+    ch = channel()
+    a, _ = subscribe(ch, rdy=3)
+    b, _ = subscribe(ch, rdy=10)
     ids, frames = chunk(5)
     ch.put_chunk(ids, frames)
-    a.fill(ch, 0)
-    ch.remove_consumer(1)
+    fill(a)
+    a.close()
     assert ch.requeue_count == 3
-    assert ids_of(b.fill(ch, 0)) == ids
+    assert ids_of(fill(b)) == ids
 
 
 def test_paused_channel_delivers_nothing_until_unpaused():
-    ch = Channel("t", "c", mem_queue_size=100, backend=None)
-    c = Consumer()
-    ch.add_consumer(1, c)
+    ch = channel()
+    sub, consumer = subscribe(ch)
     ch.put_chunk(*chunk(2))
     ch.pause()
-    assert c.fill(ch, 0) == []
+    assert fill(sub) == []
     ch.unpause()
-    assert c.woken >= 1 and len(c.fill(ch, 0)) == 2
+    assert consumer.woken >= 1 and len(fill(sub)) == 2
 
 
 def test_empty_drops_queued_deferred_and_in_flight():
-    ch = Channel("t", "c", mem_queue_size=100, backend=None)
-    c = Consumer(rdy=2)
-    ch.add_consumer(1, c)
+    ch = channel()
+    sub, _ = subscribe(ch, rdy=2)
     ch.put_chunk(*chunk(5))
-    ch.put_deferred(message.encode_frame(b"x" * 16, b"d", 1), 10 * S)
-    c.fill(ch, 0)
+    ch.commit_put(ch.prepare_put([b"x" * 16], [message.encode_frame(b"x" * 16, b"d", 1)], False, due_ns=10 * S))
+    fill(sub)
     ch.empty()
     assert (ch.depth, ch.in_flight_count, ch.deferred_count) == (0, 0, 0)
 
 
 def test_max_consumers_limit():
-    ch = Channel("t", "c", mem_queue_size=1, backend=None)
-    ch.add_consumer(1, Consumer(), max_consumers=1)
-    try:
-        ch.add_consumer(2, Consumer(), max_consumers=1)
-    except ValueError as exc:
-        assert "exceeds limit of 1" in str(exc)
-    else:
-        raise AssertionError("limit not enforced")
+    ch = channel(mem_queue_size=1)
+    ch.subscribe(Consumer(), 1, Budget(1), msg_timeout_ns=S, max_msg_timeout_ns=S, max_consumers=1)
+    with pytest.raises(ValueError, match="exceeds limit of 1"):
+        ch.subscribe(Consumer(), 2, Budget(1), msg_timeout_ns=S, max_msg_timeout_ns=S, max_consumers=1)
+
+
+def test_one_budget_bounds_every_subscription_of_a_connection():
+    a, b = channel(name="a"), channel(name="b")
+    a.put_chunk(*chunk(10))
+    b.put_chunk(*chunk(10, 100))
+    budget = Budget(6)
+    sa, _ = subscribe(a, budget=budget)
+    sb, _ = subscribe(b, budget=budget)
+    assert len(fill(sa)) == 6  # asks for its limit: gets the whole budget
+    assert fill(sb) == []
+    sa.finish(ids_of(chunk(2)[1]))
+    assert len(sb.take(100, 0)[0][0]) == 2
+    assert budget.used == 6
+
+
+def test_leases_count_in_the_budget_that_opened_them():
+    ch = channel()
+    ch.put_chunk(*chunk(50))
+    sub, _ = subscribe(ch, rdy=10)
+    for number in range(20):  # a new lease name per batch: still 10 in flight in all
+        sub.open_lease(f"l{number}", 0)
+        fill(sub)
+    assert sub.in_flight_count == 10 and ch.in_flight_count == 10
+    assert sub.finish_lease("l0") == 10
+    assert sub.in_flight_count == 0
+    sub.open_lease("next", 0)
+    assert len(fill(sub)) == 10
 
 
 def test_disk_payload_round_trip_keeps_due_and_failed():
@@ -197,32 +234,37 @@ def test_disk_payload_round_trip_keeps_due_and_failed():
 
 
 def test_failed_deliveries_are_counted_apart_from_attempts():
-    ch = Channel("t", "c", mem_queue_size=100, backend=None)
-    c = Consumer(rdy=1)
-    ch.add_consumer(1, c)
+    ch = channel()
+    sub, _ = subscribe(ch, rdy=1, timeout=10)
     ids, frames = chunk(1)
     ch.put_chunk(ids, frames)
-    c.fill(ch, 0, timeout=10)
-    ch.requeue(c.in_flight.take(ids[0]), 0, 0)  # REQ: a failed delivery
-    c.fill(ch, 0, timeout=10)
+    fill(sub)
+    sub.requeue(ids[0], 0, 0)  # REQ: a failed delivery
+    fill(sub)
     ch.process_in_flight(100)  # timeout: another
     assert ch.failed[ids[0]] == 2
-    again = c.fill(ch, 100, timeout=10)
+    again = fill(sub, 100)
     assert message.frame_attempts(again[0]) == 3
-    ch.requeue(c.in_flight.take(ids[0]), 0, 0, failed=False, count_attempt=False)  # released
-    assert ch.failed[ids[0]] == 2 and message.frame_attempts(c.fill(ch, 100)[0]) == 3
-    [payload] = list(ch.persistable())
-    assert message.from_disk(payload)[2] == 2  # the count goes to disk with the message
-    assert ch.failed == {}
+    sub.requeue(ids[0], 0, 0, count_attempt=False)  # released
+    assert ch.failed[ids[0]] == 2 and message.frame_attempts(fill(sub, 100)[0]) == 3
+    assert sub.failures(ids) == [2]
+
+
+def test_ttl_drops_old_messages_instead_of_delivering_them():
+    ch = channel(policy=ChannelPolicy(ttl_ns=5 * S))
+    sub, _ = subscribe(ch)
+    ch.put_chunk(*chunk(2, ts=0))
+    ch.put_chunk(*chunk(2, 2, ts=8 * S))
+    assert ids_of(fill(sub, 10 * S)) == chunk(2, 2)[0]
+    assert ch.expired_count == 2
 
 
 def test_memory_bytes_follow_the_frames_in_memory():
     import random
 
     rng = random.Random(7)
-    ch = Channel("t", "c", mem_queue_size=50, backend=None)
-    c = Consumer(rdy=7)
-    ch.add_consumer(1, c)
+    ch = channel(mem_queue_size=50)
+    sub, _ = subscribe(ch, rdy=7, timeout=10)
     start = 0
     for _ in range(300):
         op = rng.randrange(5)
@@ -232,13 +274,13 @@ def test_memory_bytes_follow_the_frames_in_memory():
             ch.put_chunk(ids, frames)
             start += len(ids)
         elif op == 1:
-            c.fill(ch, 0, timeout=10)
-        elif op == 2 and c.in_flight:
-            ch.requeue(c.in_flight.take(next(iter(c.in_flight.map))), 0, 0)
+            fill(sub)
+        elif op == 2 and sub.in_flight:
+            sub.requeue(next(iter(sub.in_flight.map)), 0, 0)
         elif op == 3:
             ch.process_in_flight(rng.randrange(0, 20))
         else:
-            ch.drop_oldest(rng.randrange(0, 3), 0)
-        in_memory = [f for i, (_, frames) in enumerate(ch._chunks) for f in frames[ch._head if i == 0 else 0:]]
+            ch.drop_oldest(rng.randrange(0, 3))
+        in_memory = [f for i, (_, frames, _) in enumerate(ch._chunks) for f in frames[ch._head if i == 0 else 0:]]
         assert ch.depth_bytes == sum(map(len, in_memory))
         assert ch.depth == len(in_memory)

@@ -1,8 +1,9 @@
 """Crash safety: a real writer process is SIGKILLed at random moments.
 
 After every kill the queue is reopened: every record confirmed by
-wait_durable() must be there (or have been consumed before the kill), in
-order, with no gap, no duplicate and no garbage.
+wait_durable(), and every record whose put returned, must be there (or have
+been consumed before the kill), in order, with no gap, no duplicate and no
+garbage.
 """
 
 import os
@@ -73,7 +74,7 @@ def recovered_sequence(data_dir):
 
 
 def check_round(seqs, first_seq, lines):
-    confirmed = [int(value) for kind, value in lines if kind == "d"]
+    confirmed = [int(value) for kind, value in lines if kind in ("d", "w")]
     consumed = [int(value) for kind, value in lines if kind == "c"]
     if seqs:
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "gap, duplicate or reordering"
@@ -91,16 +92,16 @@ def test_sigkill_never_loses_confirmed_records(tmp_path):
     data_dir.mkdir()
     rng = random.Random(20240611)
     rounds = [("durable", rng.uniform(0.0, 0.5)) for _ in range(6)]
-    rounds += [("buffered", rng.uniform(0.05, 0.3)) for _ in range(2)]
+    rounds += [("written", rng.uniform(0.05, 0.3)) for _ in range(3)]
     confirmations = 0
     for number, (mode, delay) in enumerate(rounds):
         first_seq = number * 10_000_000
         lines = run_and_kill(data_dir, first_seq, mode, seed=number, delay=delay)
         seqs = recovered_sequence(data_dir)
         check_round(seqs, first_seq, lines)
-        confirmations += sum(1 for kind, _ in lines if kind == "d")
-        if mode == "buffered" and seqs:
-            assert seqs[0] == first_seq, "a buffered writer's first records are lost or reordered"
+        confirmations += sum(1 for kind, _ in lines if kind in ("d", "w"))
+        if mode == "written" and seqs:
+            assert seqs[0] == first_seq, "a writer's first records are lost or reordered"
     assert confirmations > 0
 
 
@@ -111,12 +112,12 @@ def test_killed_during_open_and_recovery(tmp_path):
     run_and_kill(data_dir, 0, "durable", seed=99, delay=0.3)
     for number in range(1, 4):
         process = start_writer(
-            data_dir, number * 10_000_000, "buffered", number, tmp_path / "writer.log", subprocess.DEVNULL
+            data_dir, number * 10_000_000, "written", number, tmp_path / "writer.log", subprocess.DEVNULL
         )
         time.sleep(0.1 * number)
         process.send_signal(signal.SIGKILL)
         process.wait()
-    run_and_kill(data_dir, 4 * 10_000_000, "buffered", seed=4, delay=0.2)
+    run_and_kill(data_dir, 4 * 10_000_000, "written", seed=4, delay=0.2)
     seqs = recovered_sequence(data_dir)
     runs = [seq // 10_000_000 for seq in seqs]
     assert runs == sorted(runs)

@@ -1,4 +1,4 @@
-"""DiskQueue.depth_bytes: unread bytes across segments, buffered or on disk, after reopen."""
+"""DiskQueue.depth_bytes: unread bytes across segments, after reopen."""
 
 from hypothesis import given, settings, strategies as st
 

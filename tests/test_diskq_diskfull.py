@@ -1,4 +1,4 @@
-"""Disk full and other write/read failures: clear errors, nothing accepted is lost."""
+"""Disk full and other write/read failures: clear errors, a refused put leaves no trace, nothing accepted is lost."""
 
 import errno
 import os
@@ -10,7 +10,6 @@ import trio
 
 from nsqd.diskq import DiskQueue, DiskQueueReadError, DiskQueueWriteError
 from nsqd.diskq import writer as writer_module
-from nsqd.diskq.queue import BUFFER_LIMIT
 
 RECORD = 200
 
@@ -56,9 +55,10 @@ def test_disk_full_refuses_puts_keeps_data_and_recovers(small_fs):
     assert error.errno == errno.ENOSPC
     assert "No space left on device" in str(error)
     assert "'q'" in str(error)
-    assert queue.statistics().buffered_bytes > BUFFER_LIMIT - 2 * (RECORD + 8)
+    assert queue.failing is not None
     with pytest.raises(DiskQueueWriteError):  # still full: still refused
         queue.put(b"x" * RECORD)
+    assert queue.depth == len(accepted)
 
     ballast.unlink()
     queue.put(b"after space came back")
@@ -69,27 +69,49 @@ def test_disk_full_refuses_puts_keeps_data_and_recovers(small_fs):
     queue.close()
 
 
-async def test_disk_full_fails_wait_durable_until_space_returns(small_fs):
+def test_a_refused_batch_leaves_no_trace_even_across_segments(small_fs):
+    ballast = small_fs / "ballast"
+    ballast.write_bytes(b"\0" * (7 << 20))
+    queue = DiskQueue("q", small_fs, max_bytes_per_file=64 << 10)
+    accepted = []
+    while True:
+        batch = [b"%08d" % (len(accepted) + i) + b"r" * (RECORD - 8) for i in range(400)]  # ~83 KB: rotates
+        try:
+            queue.put_many(batch)
+        except DiskQueueWriteError:
+            break
+        accepted += batch
+    depth = queue.depth
+    assert depth == len(accepted)
+    ballast.unlink()
+    queue.put(b"after")
+    queue.close()
+    queue = DiskQueue("q", small_fs, max_bytes_per_file=64 << 10)
+    assert drain(queue) == accepted + [b"after"]
+    assert queue.statistics().corrupt_records_skipped == 0
+    queue.close()
+
+
+async def test_disk_full_fails_puts_not_durability_of_what_was_accepted(small_fs):
     ballast = small_fs / "ballast"
     ballast.write_bytes(b"\0" * (5 << 20))
     queue = DiskQueue("q", small_fs, max_bytes_per_file=1 << 20)
     async with trio.open_nursery() as nursery:
         await nursery.start(queue.run)
         accepted, _ = fill_until_refused(queue)
-        with pytest.raises(DiskQueueWriteError, match="No space left") as caught:
-            await queue.wait_durable()
-        assert caught.value.errno == errno.ENOSPC
+        await queue.wait_durable()  # what was accepted is in its file: it can be synced
         ballast.unlink()
+        queue.put(b"more")
         await queue.wait_durable()
-        assert queue.statistics().buffered_bytes == 0
+        assert queue.failing is None
         nursery.cancel_scope.cancel()
     queue.close()
     queue = DiskQueue("q", small_fs, max_bytes_per_file=1 << 20)
-    assert drain(queue) == accepted
+    assert drain(queue) == accepted + [b"more"]
     queue.close()
 
 
-def test_short_write_then_error_resumes_at_the_right_offset(tmp_path, monkeypatch):
+def test_short_write_then_error_rolls_the_batch_back(tmp_path, monkeypatch):
     real_pwrite = writer_module.pwrite
     calls = []
 
@@ -100,16 +122,19 @@ def test_short_write_then_error_resumes_at_the_right_offset(tmp_path, monkeypatc
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     queue = DiskQueue("q", tmp_path)
-    items = [b"%06d" % n + b"p" * 300 for n in range(1000)]  # passes the flush threshold
+    queue.put(b"before")
+    items = [b"%06d" % n + b"p" * 300 for n in range(1000)]
     monkeypatch.setattr(writer_module, "pwrite", half_then_full_disk)
-    queue.put_many(items)
+    with pytest.raises(DiskQueueWriteError, match="No space left"):
+        queue.put_many(items)
     assert len(calls) == 2
-    assert "No space left" in queue.statistics().last_error
+    assert queue.depth == 1
+    assert (tmp_path / "q.diskq.000000.dat").stat().st_size == 16 + 8 + 6  # cut back
     monkeypatch.undo()
     queue.put(b"last")
     queue.close()
     queue = DiskQueue("q", tmp_path)
-    assert drain(queue) == items + [b"last"]
+    assert drain(queue) == [b"before", b"last"]
     queue.close()
 
 
@@ -165,21 +190,19 @@ def test_emfile_on_read_skips_nothing(tmp_path, descriptor_limit):
     queue.close()
 
 
-def test_close_reports_records_it_could_not_write(tmp_path, monkeypatch):
+def test_a_refused_put_does_not_come_back_after_a_crash(tmp_path, monkeypatch):
     queue = DiskQueue("q", tmp_path)
     queue.put(b"written")
-    queue.close()
-    queue = DiskQueue("q", tmp_path)
-    queue.put(b"stuck in memory")
 
     def full_disk(fd, data, offset):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(writer_module, "pwrite", full_disk)
-    with pytest.raises(DiskQueueWriteError, match="could not be written .* lost") as caught:
-        queue.close()
+    with pytest.raises(DiskQueueWriteError, match="No space left") as caught:
+        queue.put(b"refused")
     assert caught.value.errno == errno.ENOSPC
     monkeypatch.undo()
+    queue._shut()  # descriptors closed, nothing saved: as after a crash
     queue = DiskQueue("q", tmp_path)
     assert drain(queue) == [b"written"]
     queue.close()

@@ -61,7 +61,6 @@ async def test_wait_durable_writes_and_syncs(tmp_path, counted_syncs):
         await queue.wait_durable()
         assert len(counted_syncs) == 1
         assert counted_syncs[0].fds  # the segment descriptor was fsynced
-        assert queue.statistics().buffered_bytes == 0
         assert (tmp_path / "q.diskq.000000.dat").stat().st_size == 16 + 2 * 18
         await queue.wait_durable()  # nothing new: no second fsync
         assert len(counted_syncs) == 1
@@ -211,7 +210,7 @@ async def test_close_while_running_stops_run_and_releases_waiters(tmp_path):
     reopened.close()
 
 
-async def test_failed_commit_reports_to_its_waiters_then_recovers(tmp_path, monkeypatch):
+async def test_failed_write_refuses_the_put_and_the_queue_recovers(tmp_path, monkeypatch):
     queue = DiskQueue("q", tmp_path)
     real_pwrite = writer_module.pwrite
     failing = True
@@ -224,13 +223,15 @@ async def test_failed_commit_reports_to_its_waiters_then_recovers(tmp_path, monk
     monkeypatch.setattr(writer_module, "pwrite", pwrite)
     async with trio.open_nursery() as nursery:
         await nursery.start(queue.run)
-        queue.put(b"x")
         with pytest.raises(DiskQueueWriteError) as caught:
-            await queue.wait_durable()
+            queue.put(b"refused")
         assert caught.value.errno == errno.EIO
         assert "Input/output error" in str(caught.value)
+        assert queue.failing is not None
         failing = False
+        queue.put(b"x")
         await queue.wait_durable()
+        assert queue.failing is None
         nursery.cancel_scope.cancel()
     queue.close()
     reopened = DiskQueue("q", tmp_path)
@@ -261,19 +262,19 @@ async def test_failed_fsync_reports_to_its_waiters(tmp_path, monkeypatch):
 async def test_failing_background_checkpoints_retry_at_the_timeout_pace(tmp_path, monkeypatch):
     attempts = []
 
-    def full_disk(fd, data, offset):
-        attempts.append(trio.current_time())
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    def fdatasync(fd):
+        attempts.append(time.monotonic())  # called in the worker thread
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
 
     queue = DiskQueue("q", tmp_path, sync_timeout=0.05, sync_every=1)
-    monkeypatch.setattr(writer_module, "pwrite", full_disk)
+    monkeypatch.setattr(queue_module.sync.os, "fdatasync", fdatasync)
     async with trio.open_nursery() as nursery:
         await nursery.start(queue.run)
         queue.put(b"x")  # requests a checkpoint at once (sync_every=1); it keeps failing
         await trio.sleep(0.5)
         nursery.cancel_scope.cancel()
     assert 3 <= len(attempts) <= 14  # about one per sync_timeout, not a busy loop
-    assert "No space left" in queue.statistics().last_error
+    assert "Input/output error" in queue.statistics().last_error
     monkeypatch.undo()
     queue.close()
     reopened = DiskQueue("q", tmp_path)

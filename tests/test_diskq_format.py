@@ -1,5 +1,6 @@
 """Unit tests of the record codec, file naming and metadata encoding."""
 
+import json
 import struct
 import zlib
 
@@ -178,7 +179,32 @@ def test_metadata_round_trip_and_rejections(tmp_path):
         (b"{garbage", "JSON"),
         (b"[1, 2]", "object"),
         (tampered, "checksum"),
-        (encode_metadata(meta).replace(b'"version": 1', b'"version": 9'), "version"),
+        (encode_metadata(meta).replace(b'"version": 2', b'"version": 9'), "version"),
     ]:
         with pytest.raises(ValueError, match=reason):
             decode_metadata(bad)
+
+
+def test_metadata_keeps_the_release_point_and_kept_intervals():
+    meta = Metadata(read_segment=2, read_position=500, write_segment=3, write_position=999, depth=7,
+                    release_segment=1, release_position=16, kept=((1 << 32 | 16, 1 << 32 | 300, None),
+                                                                 (2 << 32 | 40, 2 << 32 | 40, {"due": 5})),
+                    kept_count=4)
+    again = decode_metadata(encode_metadata(meta))
+    assert again == meta
+    assert again.release == (1, 16)
+    for bad in ([[5, 4]], [[1]], [["a", 2]], [[-1, 2]]):
+        document = json.loads(encode_metadata(meta))
+        document["kept"] = bad
+        document.pop("checksum")
+        document["checksum"] = zlib.crc32(json.dumps(document, sort_keys=True, separators=(",", ":")).encode())
+        with pytest.raises(ValueError, match="kept"):
+            decode_metadata(json.dumps(document).encode())
+
+
+def test_version_1_metadata_is_read_with_the_release_at_the_read_position():
+    fields = {"version": 1, "read_segment": 3, "read_position": 40, "write_segment": 4, "write_position": 16,
+              "depth": 2}
+    fields["checksum"] = zlib.crc32(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode())
+    meta = decode_metadata(json.dumps(fields).encode())
+    assert meta.release == (3, 40) and meta.kept == ()

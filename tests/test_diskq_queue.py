@@ -6,7 +6,6 @@ import struct
 import pytest
 
 from nsqd.diskq import DiskQueue, DiskQueueError, MessageSizeError
-from nsqd.diskq.queue import FLUSH_THRESHOLD
 from nsqd.diskq.records import SEGMENT_HEADER_SIZE
 
 
@@ -38,25 +37,37 @@ def test_put_and_read_in_fifo_order(tmp_path):
     queue.close()
 
 
-def test_read_sees_records_still_in_the_write_buffer(tmp_path):
+def test_a_put_is_in_its_file_when_it_returns(tmp_path):
     queue = DiskQueue("orders", tmp_path)
-    queue.put(b"buffered")
-    assert queue.statistics().buffered_bytes > 0
-    assert not segment_files(tmp_path)  # nothing written yet
-    assert queue.read_many(5) == [b"buffered"]
+    queue.put(b"first")
+    size = (tmp_path / "orders.diskq.000000.dat").stat().st_size
+    assert size == SEGMENT_HEADER_SIZE + 8 + len(b"first")
     queue.put_many([b"x"] * 3)
-    assert queue.read_many(5) == [b"x"] * 3
+    assert (tmp_path / "orders.diskq.000000.dat").stat().st_size == size + 3 * 9
+    assert queue.read_many(5) == [b"first", b"x", b"x", b"x"]
     queue.close()
 
 
-def test_reads_span_file_and_buffer(tmp_path):
-    queue = DiskQueue("orders", tmp_path)
-    flushed = records(FLUSH_THRESHOLD // 100 + 10)
-    queue.put_many(flushed)  # passes the flush threshold: written to the file
-    assert queue.statistics().buffered_bytes == 0
-    queue.put_many(records(5, start=10_000))  # stays buffered
-    assert queue.statistics().buffered_bytes > 0
-    assert drain(queue, batch=1000) == flushed + records(5, start=10_000)
+def test_positions_are_ordered_and_match_between_put_and_read(tmp_path):
+    queue = DiskQueue("q", tmp_path, max_bytes_per_file=SEGMENT_HEADER_SIZE + 2 * 108)
+    written = queue.put_positioned(records(5))
+    assert written == sorted(written) and len(set(written)) == 5
+    assert [p >> 32 for p in written] == [0, 0, 1, 1, 2]
+    assert [p & 0xFFFFFFFF for p in written] == [16, 124, 16, 124, 16]
+    payloads, read = queue.read_positioned(10)
+    assert (payloads, read) == (records(5), written)
+    queue.close()
+
+
+def test_held_records_are_never_read_back_and_need_an_empty_queue(tmp_path):
+    queue = DiskQueue("q", tmp_path)
+    held = queue.put_held([b"a", b"b"])
+    assert len(held) == 2 and queue.depth == 0
+    assert queue.read_many(5) == []
+    queue.put(b"c")
+    with pytest.raises(DiskQueueError, match="nothing unread"):
+        queue.put_held([b"d"])
+    assert queue.read_many(5) == [b"c"]
     queue.close()
 
 
@@ -99,6 +110,7 @@ def test_batch_crossing_several_segments_keeps_order(tmp_path):
 def test_oversized_record_gets_its_own_segment(tmp_path):
     queue = DiskQueue("q", tmp_path, max_bytes_per_file=100, max_msg_size=1000)
     queue.put_many([b"small", b"L" * 500, b"tail"])
+    assert len(segment_files(tmp_path)) == 3
     assert queue.read_many(10) == [b"small", b"L" * 500, b"tail"]
     queue.close()
     assert len(segment_files(tmp_path)) == 1  # the two read segments were removed

@@ -11,9 +11,11 @@ import pytest
 import structlog
 import trio
 
+from nsqd.channel import ChannelExiting
 from nsqd.cli import configure_logging
-from nsqd.in_flight import InFlight
+from nsqd.diskq import DiskQueueWriteError
 from nsqd.options import Options
+from nsqd.subscription import Budget
 
 from .conftest import http_port
 from .support import NSQConnection, mpub_body, tcp_port
@@ -89,7 +91,7 @@ async def test_ping_answers_plain_ok(http):
 
 
 async def test_ping_reports_unhealthy_with_500_and_the_health_text(nsqd_server, http):
-    nsqd_server.health = "NOK - failed to write to disk"
+    nsqd_server.storage_error = "failed to write to disk"
     response = await http.get("/ping")
     assert (response.status, response.body) == (500, b"NOK - failed to write to disk")
     assert response.headers["content-type"] == TEXT_TYPE
@@ -369,15 +371,17 @@ async def test_handler_exception_becomes_logged_json_500(nsqd_server, http):
     assert (await http.get("/ping")).body == b"OK"  # the server carries on
 
 
-async def test_publish_failure_is_500_with_the_reason(nsqd_server, http):
+async def test_publish_the_disk_refuses_is_503_with_the_reason(nsqd_server, http):
     assert_ok_empty(await http.post("/topic/create?topic=t"))
 
-    def disk_full(*args):
-        raise OSError(28, "No space left on device")
+    def disk_full(*args, **kwargs):
+        raise DiskQueueWriteError(28, "No space left on device")
 
-    nsqd_server.topics["t"].put_chunk = disk_full
-    assert_error(await http.post("/pub?topic=t", b"x"), 500, "PUB_FAILED: [Errno 28] No space left on device")
-    assert_error(await http.post("/mpub?topic=t", b"x\ny"), 500, "MPUB_FAILED: [Errno 28] No space left on device")
+    nsqd_server.topics["t"].publish = disk_full
+    assert_error(await http.post("/pub?topic=t", b"x"), 503, "PUB_FAILED: cannot store: No space left on device")
+    assert_error(await http.post("/mpub?topic=t", b"x\ny"), 503,
+                 "MPUB_FAILED: cannot store: No space left on device")
+    assert (await http.get("/ping")).body == b"NOK - No space left on device"
 
 
 # ------------------------------------------------------------------ admin
@@ -555,13 +559,10 @@ async def test_stats_text_format(nsqd_server, http):
 class BareConsumer:
     """A non-TCP consumer (as an AMQP link would be) with only what a channel needs."""
 
-    def __init__(self) -> None:
-        self.in_flight = InFlight()
+    def wake(self) -> None:
+        pass
 
-    def wake(self) -> int:
-        return 0
-
-    def messages_timed_out(self, count: int) -> None:
+    def timed_out(self, count: int) -> None:
         pass
 
     def close(self) -> None:
@@ -574,7 +575,8 @@ class BareConsumer:
 async def test_stats_render_consumers_that_lack_client_fields(nsqd_server, http):
     assert_ok_empty(await http.post("/topic/create?topic=t"))
     assert_ok_empty(await http.post("/channel/create?topic=t&channel=c"))
-    nsqd_server.topics["t"].channels["c"].add_consumer(10_000, BareConsumer())
+    channel = nsqd_server.topics["t"].channels["c"]
+    channel.subscribe(BareConsumer(), 10_000, Budget(0), msg_timeout_ns=1, max_msg_timeout_ns=1)
     channel = channel_of(await stats(http), "t", "c")
     assert channel["client_count"] == 1
     [client] = channel["clients"]
@@ -586,7 +588,7 @@ async def test_stats_render_consumers_that_lack_client_fields(nsqd_server, http)
 
 async def test_publish_while_exiting_is_503(nsqd_server, http):
     def exiting(name):
-        raise RuntimeError("exiting")
+        raise ChannelExiting("exiting")
 
     nsqd_server.get_topic = exiting
     assert_error(await http.post("/pub?topic=t", b"x"), 503, "EXITING")

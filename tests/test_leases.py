@@ -34,7 +34,7 @@ async def test_lease_is_settled_from_another_connection(tmp_path):
         await reader.close()  # the lease outlives the connection: nothing is requeued
         channel = nsqd.topics["t"].channels["c"]
         with trio.fail_after(2):
-            while channel.consumers:
+            while channel.subscriptions:
                 await trio.sleep(0.01)
         assert channel.in_flight_count == 4 and channel.depth == 6
         driver = await lease_consumer(nsqd)

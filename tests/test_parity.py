@@ -46,7 +46,7 @@ async def test_tls_upgrade_sends_ok_over_tls(tmp_path, certs):
         await conn.pub("t", b"secret")
         await conn.command("RDY 1")
         assert (await conn.read_message()).body == b"secret"
-        client = next(c for c in nsqd.clients.values() if c.channel is not None)
+        client = next(c for c in nsqd.clients.values() if c.sub is not None)
         assert client.tls and client.tls_version.startswith("TLS")
 
 

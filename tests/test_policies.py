@@ -108,7 +108,7 @@ async def test_limits_over_http_persist_and_only_bind_their_topic(tmp_path):
     assert "policy" not in next(t for t in saved["topics"] if t["name"] == "big")
     async with running_nsqd(tmp_path) as nsqd:
         channel = nsqd.topics["small"].channels["c"]
-        assert (channel.max_messages, channel.max_attempts) == (2, 4)
+        assert (channel.policy.max_messages, channel.policy.max_attempts) == (2, 4)
         assert not nsqd.topics["small"].accepting
 
 

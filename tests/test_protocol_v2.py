@@ -84,7 +84,7 @@ async def test_pub_sub_fin_round_trip(tmp_path):
         with trio.fail_after(2):
             while channel.in_flight_count:
                 await trio.sleep(0.01)
-        client = next(c for c in nsqd.clients.values() if c.channel is channel)
+        client = next(c for c in nsqd.clients.values() if c.sub is not None and c.sub.channel is channel)
         assert (client.message_count, client.finish_count) == (1, 1)
         assert nsqd.topics["orders"].message_count == 1
         assert nsqd.clients[1].pub_counts == {"orders": 1}

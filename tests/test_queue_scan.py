@@ -8,7 +8,7 @@ from nsqd.queue_scan import pool_size_for, queue_scan_loop
 from nsqd.options import Options
 
 from .support import NSQConnection, running_nsqd, tcp_port
-from .test_channel import Consumer, chunk
+from .test_channel import chunk, fill, subscribe
 
 
 class Daemon:
@@ -60,15 +60,13 @@ async def test_pool_follows_channel_count_on_refresh(autojump_clock):
 async def test_timeouts_and_deferreds_across_many_channels(autojump_clock):
     daemon = Daemon(Options())
     daemon.add_channels(200)
-    consumers = []
     for i, channel in enumerate(daemon.list):
-        consumer = Consumer(rdy=5)
-        channel.add_consumer(1, consumer)
+        sub, _ = subscribe(channel, rdy=5, timeout=1_000_000_000)
         channel.put_chunk(*chunk(5, start=i * 10))
-        consumer.fill(channel, daemon.now_ns(), timeout=1_000_000_000)
-        channel.put_deferred(message.encode_frame(b"%016x" % (i * 10 + 9), b"d", 0),
-                             daemon.now_ns() + 2_000_000_000)
-        consumers.append(consumer)
+        fill(sub, daemon.now_ns())
+        msg_id = b"%016x" % (i * 10 + 9)
+        channel.commit_put(channel.prepare_put([msg_id], [message.encode_frame(msg_id, b"d", 0)], False,
+                                               due_ns=daemon.now_ns() + 2_000_000_000))
     async with trio.open_nursery() as nursery:
         await nursery.start(queue_scan_loop, daemon)
         # The first scan after the deadline finds every sample dirty and rescans at

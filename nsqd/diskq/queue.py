@@ -1,16 +1,30 @@
 """The disk queue: a crash-safe FIFO of opaque records in segment files.
 
-Puts encode into a bounded memory buffer and never wait for the disk; the
-:meth:`DiskQueue.run` task makes data durable in a worker thread, either
-because a caller waits for it (group commit: one fsync serves every waiter
-of a round) or because ``sync_every`` puts or ``sync_timeout`` seconds have
-passed (a checkpoint, which also saves the metadata).
+Every put is written to the operating system before it returns, all or
+nothing, so a crash of the process never loses a record whose put returned;
+a put that cannot be written (a full disk) raises and leaves no trace. Making
+records durable against power loss is the :meth:`DiskQueue.run` task's job,
+in a worker thread: because a caller waits for it (group commit: one
+``fdatasync`` serves every waiter of a round, and the next round gathers
+while the current one syncs) or because ``sync_every`` puts and reads or
+``sync_timeout`` seconds have passed (a checkpoint, which also saves the
+metadata).
+
+Reading does not release. A record that was read stays on disk until the
+queue's owner no longer needs it: at every checkpoint the owner's
+:attr:`DiskQueue.keeper` says which read records it still holds (a channel's
+queued, in-flight and deferred messages), the queue saves that list with the
+metadata, moves its release point to the first of them and deletes the
+segments before it. After a crash reading starts again at the release point,
+and of the records between it and the saved read position only the kept ones
+come back. A queue without a keeper releases what it reads.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import structlog
@@ -19,21 +33,18 @@ import trio
 from . import sync
 from .errors import DiskQueueError, DiskQueueReadError, DiskQueueWriteError, MessageSizeError
 from .lock import acquire_queue_lock
-from .metadata import Metadata, save_metadata
-from .naming import QueueFiles, fsync_directory
+from .metadata import Kept, Metadata, save_metadata
+from .naming import QueueFiles
 from .reader import SegmentReader
-from .records import MAX_RECORD_LENGTH, RECORD_HEADER_SIZE, SEGMENT_HEADER_SIZE
+from .records import MAX_RECORD_LENGTH, MAX_SEGMENT_BYTES, RECORD_HEADER_SIZE, SEGMENT_HEADER_SIZE, position, split_position
 from .recovery import recover
 from .stats import DiskQueueStatistics
 from .writer import SegmentWriter
 
 logger = structlog.get_logger("nsqd.diskq")
 
-FLUSH_THRESHOLD = 256 * 1024
-"""Buffered bytes that trigger a write to the segment file."""
-
-BUFFER_LIMIT = 4 * 1024 * 1024
-"""Buffered bytes beyond which a put fails if the buffer cannot be written."""
+#: what a keeper returns: the read records still held (as kept intervals) and how many records they are
+KeptSnapshot = tuple[list[Kept], int]
 
 
 class _CommitRound:
@@ -74,8 +85,9 @@ class DiskQueue:
                 f"need 0 <= min_msg_size <= max_msg_size <= {MAX_RECORD_LENGTH}, "
                 f"got {min_msg_size} and {max_msg_size}"
             )
-        if max_bytes_per_file <= SEGMENT_HEADER_SIZE + RECORD_HEADER_SIZE:
-            raise ValueError(f"max_bytes_per_file must exceed {SEGMENT_HEADER_SIZE + RECORD_HEADER_SIZE}")
+        if not SEGMENT_HEADER_SIZE + RECORD_HEADER_SIZE < max_bytes_per_file < MAX_SEGMENT_BYTES:
+            raise ValueError(f"max_bytes_per_file must be in ({SEGMENT_HEADER_SIZE + RECORD_HEADER_SIZE}, "
+                             f"{MAX_SEGMENT_BYTES})")
         if sync_every < 1 or sync_timeout <= 0:
             raise ValueError("sync_every must be at least 1 and sync_timeout positive")
         self.name = name
@@ -98,38 +110,50 @@ class DiskQueue:
             os.close(self._lock_fd)
             raise
         self._writer = SegmentWriter(self._files, state.write_segment, state.write_position, max_bytes_per_file)
-        self._reader = SegmentReader(
-            self._files,
-            self._writer,
-            state.read_segment,
-            state.read_position,
-            min_msg_size,
-            max_msg_size,
-            self._log,
-        )
-        self._depth = state.depth
+        self._reader = SegmentReader(self._files, self._writer, state.release_segment, state.release_position,
+                                     min_msg_size, max_msg_size, self._log)
+        #: the records between the release point and this position come back only if kept
+        self._filter_until: int | None = None
+        self._filter_firsts: list[int] = []
+        self._filter_lasts: list[int] = []
+        self._kept_unread = 0
+        saved_read = position(state.read_segment, state.read_position)
+        #: records the owner took back itself (kept with a note marked ``"r"``): reading skips them
+        self._reserved = {first for first, _, note in state.kept if _reserved_note(note)}
+        if self._reader.position < saved_read:
+            self._filter_until = saved_read
+            self._filter_firsts, self._filter_lasts = _union(state.kept)
+            self._kept_unread = state.kept_count
+        #: the owner's notes on the records it kept before the last stop: (first, last, note)
+        self.recovered_kept: tuple[Kept, ...] = tuple(k for k in state.kept if k[2] is not None)
+        self._depth = state.depth - sum(1 for pos in self._reserved if pos >= saved_read)
+        self._oldest_segment = state.release_segment
+        self._release = self._reader.position
         self._segment_sizes: dict[int, int] = {}
         self._recovered_damage = (state.damaged_records, state.damaged_bytes)
+        #: set by the owner: the read records it still holds, asked at every checkpoint
+        self.keeper: Callable[[], KeptSnapshot] | None = None
         self._put_count = 0
         self._durable_count = 0
         self._bytes_written = 0
         self._syncs = 0
-        self._puts_since_checkpoint = 0
+        self._ops_since_checkpoint = 0
         self._checkpoint_due = False
         self._metadata_dirty = False
         self._last_checkpoint = float("-inf")
-        self._write_error: DiskQueueWriteError | None = None
         self._last_error: str | None = None
+        #: the ongoing write or sync failure, None once a write and a sync succeed again
+        self.failing: str | None = None
         self._gate = sync.SyncGate()
         self._wakeup = trio.Event()
         self._next_round = _CommitRound()
         self._running = False
         self._closed = False
-        self._reconcile_depth()
         self._save_metadata_now()
         self._log.info(
             "diskq_opened",
             depth=self._depth,
+            release=(state.release_segment, state.release_position),
             read=(state.read_segment, state.read_position),
             write=(state.write_segment, state.write_position),
         )
@@ -138,48 +162,94 @@ class DiskQueue:
 
     def put(self, payload: bytes) -> None:
         """Append one record; see :meth:`put_many`."""
-        size = len(payload)
-        if size < self._min_size or size > self._max_size:
-            self._check_open()
-            self._raise_size_error((payload,))
-        self._append((payload,), 1, size + RECORD_HEADER_SIZE)
+        self._append((payload,), False)
 
     def put_many(self, payloads: Sequence[bytes]) -> None:
-        """Append a batch in order; all or none of it is accepted.
+        """Append a batch in order, written to the OS before this returns; all or none of it.
 
         Raises MessageSizeError if any payload is outside the size limits and
-        DiskQueueWriteError if the buffer is full and cannot be written.
+        DiskQueueWriteError if it cannot be written (nothing of it is stored).
         """
+        self._append(payloads, False)
+
+    def put_positioned(self, payloads: Sequence[bytes]) -> list[int]:
+        """:meth:`put_many`, returning each record's position."""
+        return self._append(payloads, True) or []
+
+    def put_held(self, payloads: Sequence[bytes], hold: int | None = None) -> list[int]:
+        """Append records whose first ``hold`` (default: all) the caller keeps and delivers itself.
+
+        Write-through: the read position moves past the held records, so they
+        are never read back, and they stay on disk until the keeper stops
+        listing them; the rest stay unread. Needs a queue with nothing unread
+        (else the reader would skip unread records).
+        """
+        if self._depth:
+            raise DiskQueueError(f"disk queue {self.name!r}: put_held needs a queue with nothing unread")
+        hold = len(payloads) if hold is None else hold
+        positions = self._append(payloads, True) or []
+        self._end_filter()
+        if hold >= len(payloads):
+            self._reader.skip_to_end()
+        elif hold:
+            self._reader.skip_to(positions[hold])
+        self._depth -= hold
+        return positions
+
+    def reserve(self, positions: Sequence[int]) -> None:
+        """Records just put that the owner keeps itself (a lease): never read back, kept until released."""
+        self._reserved.update(positions)
+        self._depth -= len(positions)
+
+    def mark(self) -> tuple:
+        """Where the queue stands, for :meth:`undo` (a batch that another queue failed to take)."""
+        writer, reader = self._writer, self._reader
+        return (writer.segment, writer.end, reader.segment, reader.offset, self._depth, self._put_count,
+                self._bytes_written)
+
+    def undo(self, mark: tuple) -> None:
+        """Take back everything put since :meth:`mark`, as if it never was (nothing was read since)."""
+        segment, end, read_segment, read_offset, depth, put_count, bytes_written = mark
+        self._writer.rollback(segment, end)
+        if (self._reader.segment, self._reader.offset) != (read_segment, read_offset):
+            self._reader.jump(read_segment, read_offset)
+        self._depth, self._put_count, self._bytes_written = depth, put_count, bytes_written
+
+    def read_at(self, positions: Sequence[int]) -> list[bytes | None]:
+        """The records at ``positions`` (None where none verifies), without moving the read position."""
+        return [self._reader.record_at(pos) for pos in positions]
+
+    @property
+    def read_position(self) -> int:
+        return self._reader.position
+
+    @property
+    def recovering(self) -> bool:
+        """Still reading the records kept before the last stop (the rest of them are skipped)."""
+        return self._filter_until is not None
+
+    def _append(self, payloads: Sequence[bytes], want_positions: bool) -> list[int] | None:
+        self._check_open()
         count = len(payloads)
         if not count:
-            self._check_open()
-            return
-        if min(map(len, payloads)) < self._min_size or max(map(len, payloads)) > self._max_size:
-            self._check_open()
+            return [] if want_positions else None
+        sizes = list(map(len, payloads))
+        if min(sizes) < self._min_size or max(sizes) > self._max_size:
             self._raise_size_error(payloads)
-        self._append(payloads, count, sum(map(len, payloads)) + RECORD_HEADER_SIZE * count)
-
-    def _append(self, payloads: Sequence[bytes], count: int, size: int) -> None:
-        if self._closed:
-            raise DiskQueueError(f"disk queue {self.name!r} is closed")
-        writer = self._writer
-        if writer.buffered and writer.buffered + size > BUFFER_LIMIT:
-            try:
-                writer.flush()
-            except OSError as exc:
-                raise self._write_failed(exc) from exc
-            self._clear_write_error()
-        if writer.append(payloads, size):
+        size = sum(sizes) + RECORD_HEADER_SIZE * count
+        segment = self._writer.segment
+        try:
+            positions = self._writer.write(payloads, size, want_positions)
+        except OSError as exc:
+            raise self._write_failed(exc) from exc
+        if self._writer.segment != segment:
             self._request_checkpoint()
         self._depth += count
         self._put_count += count
         self._bytes_written += size
         self._metadata_dirty = True
-        self._puts_since_checkpoint += count
-        if self._puts_since_checkpoint >= self._sync_every:
-            self._request_checkpoint()
-        if writer.buffered >= FLUSH_THRESHOLD:
-            self._try_flush()
+        self._count_op(count)
+        return positions
 
     def _raise_size_error(self, payloads: Sequence[bytes]) -> None:
         for index, payload in enumerate(payloads):
@@ -189,57 +259,93 @@ class DiskQueue:
                     f"outside [{self._min_size}, {self._max_size}]; nothing of this batch was stored"
                 )
 
-    def _try_flush(self) -> None:
-        """Write the buffer; a failure is remembered, the data stays buffered."""
-        try:
-            self._writer.flush()
-        except OSError as exc:
-            self._write_failed(exc)
-        else:
-            self._clear_write_error()
-
     def _write_failed(self, exc: OSError) -> DiskQueueWriteError:
         error = DiskQueueWriteError.from_os_error(
-            exc,
-            f"disk queue {self.name!r}: cannot write to {self._files.directory} "
-            f"({self._writer.buffered} bytes kept in memory and retried; puts fail while the "
-            f"buffer is over {BUFFER_LIMIT} bytes)",
-        )
-        if self._write_error is None or self._write_error.errno != error.errno:
+            exc, f"disk queue {self.name!r}: cannot write to {self._files.directory}")
+        if self.failing is None:
             self._log.error("diskq_write_failed", error=str(error), errno=error.errno)
-        self._write_error = error
-        self._last_error = str(error)
+        self.failing = self._last_error = str(error)
         return error
 
-    def _clear_write_error(self) -> None:
-        if self._write_error is not None:
-            self._log.info("diskq_write_recovered", after=str(self._write_error))
-            self._write_error = None
+    def _count_op(self, count: int) -> None:
+        self._ops_since_checkpoint += count
+        if self._ops_since_checkpoint >= self._sync_every:
+            self._request_checkpoint()
 
     # -- reading -----------------------------------------------------------
 
     def read_many(self, max_count: int) -> list[bytes]:
         """Remove and return up to ``max_count`` records, oldest first; [] if none."""
+        return self._read(max_count, None)
+
+    def read_positioned(self, max_count: int) -> tuple[list[bytes], list[int]]:
+        """:meth:`read_many`, with each record's position."""
+        positions: list[int] = []
+        return self._read(max_count, positions), positions
+
+    def _read(self, max_count: int, positions: list[int] | None) -> list[bytes]:
         self._check_open()
         if max_count <= 0:
             return []
         reader = self._reader
-        try:
-            records = reader.read_many(max_count)
-        except OSError as exc:
-            error = DiskQueueReadError.from_os_error(
-                exc, f"disk queue {self.name!r}: cannot read {self._files.segment_path(reader.segment)}"
-            )
-            self._last_error = str(error)
-            raise error from exc
+        segment = reader.segment
+        while True:
+            filtering = self._filter_until is not None or bool(self._reserved)
+            found = positions if not filtering else (positions if positions is not None else [])
+            first = len(found) if found is not None else 0
+            try:
+                records = reader.read_many(max_count, found)
+            except OSError as exc:
+                error = DiskQueueReadError.from_os_error(
+                    exc, f"disk queue {self.name!r}: cannot read {self._files.segment_path(reader.segment)}")
+                self._last_error = str(error)
+                raise error from exc
+            if filtering:
+                read_any = bool(records)
+                records = self._filter(records, found, first)
+                if self._filter_until is not None and (reader.position >= self._filter_until or reader.caught_up):
+                    self._end_filter()
+                if not records and read_any:
+                    continue  # everything read was finished before the stop, or reserved: read on
+            break
         if records:
             self._depth = max(0, self._depth - len(records))
             self._metadata_dirty = True
-        if reader.consumed:
+            self._count_op(len(records))
+        if reader.segment != segment:  # a segment was read through: it may be released
             self._request_checkpoint()
         if len(records) < max_count:
             self._reconcile_depth()
         return records
+
+    def _filter(self, records: list[bytes], found: list[int], first: int) -> list[bytes]:
+        """Drop the records finished before the last stop (not kept) or reserved, and their positions."""
+        until = self._filter_until if self._filter_until is not None else -1
+        firsts, lasts = self._filter_firsts, self._filter_lasts
+        reserved = self._reserved
+        kept_records: list[bytes] = []
+        kept_positions: list[int] = []
+        for record, pos in zip(records, found[first:]):
+            if pos in reserved:
+                reserved.discard(pos)
+                continue
+            if pos >= until:
+                kept_records.append(record)
+                kept_positions.append(pos)
+                continue
+            index = bisect.bisect_right(firsts, pos) - 1
+            if index >= 0 and pos <= lasts[index]:
+                kept_records.append(record)
+                kept_positions.append(pos)
+                self._kept_unread -= 1
+        del found[first:]
+        found += kept_positions
+        return kept_records
+
+    def _end_filter(self) -> None:
+        self._filter_until = None
+        self._filter_firsts = self._filter_lasts = []
+        self._kept_unread = 0
 
     def _reconcile_depth(self) -> None:
         """At the end of the data the depth is zero; a difference means records were lost to damage."""
@@ -252,24 +358,28 @@ class DiskQueue:
         """Records stored and not yet read."""
         return self._depth
 
-    # -- durability ---------------------------------------------------------
-
     @property
     def depth_bytes(self) -> int:
-        """Bytes of unread records, headers included, buffered ones too (for byte limits)."""
-        reader, writer = self._reader, self._writer
+        """Bytes of unread records, headers included (for byte limits)."""
+        return self._bytes_from(self._reader.segment, self._reader.offset)
+
+    @property
+    def retained_bytes(self) -> int:
+        """Bytes on disk from the release point on: what the disk budget counts."""
+        segment, offset = split_position(min(self._release, self._reader.position))
+        return self._bytes_from(segment, offset)
+
+    def _bytes_from(self, first_segment: int, first_offset: int) -> int:
+        writer = self._writer
         total = 0
-        for segment in range(reader.segment, writer.segment + 1):
+        for segment in range(first_segment, writer.segment + 1):
             end = writer.end if segment == writer.segment else self._segment_end(segment)
-            start = reader.position if segment == reader.segment else SEGMENT_HEADER_SIZE
+            start = first_offset if segment == first_segment else SEGMENT_HEADER_SIZE
             total += max(end - start, 0)
         return total
 
     def _segment_end(self, segment: int) -> int:
-        """Size of a finished segment: what is still buffered, else the file (cached: it no longer grows)."""
-        extent = self._writer.extent(segment)
-        if extent is not None:
-            return extent.end
+        """Size of a sealed segment (cached: it no longer grows)."""
         size = self._segment_sizes.get(segment)
         if size is None:
             try:
@@ -278,9 +388,11 @@ class DiskQueue:
                 return 0
             self._segment_sizes[segment] = size
             if len(self._segment_sizes) > 1024:
-                for old in [s for s in self._segment_sizes if s < self._reader.segment]:
+                for old in [s for s in self._segment_sizes if s < self._oldest_segment]:
                     del self._segment_sizes[old]
         return size
+
+    # -- durability ---------------------------------------------------------
 
     async def wait_durable(self) -> None:
         """Return once every record put before this call is on stable storage.
@@ -301,6 +413,11 @@ class DiskQueue:
         await commit.done.wait()
         if commit.error is not None:
             raise _copy_for_waiter(commit.error)
+
+    def request_checkpoint(self) -> None:
+        """Save the keeper's view soon (the owner finished many records)."""
+        self._metadata_dirty = True
+        self._request_checkpoint()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Group commits and periodic checkpoints, until cancelled or closed."""
@@ -331,7 +448,7 @@ class DiskQueue:
                 self._next_round = _CommitRound()
 
     def _dirty(self) -> bool:
-        return self._metadata_dirty or self._durable_count < self._put_count or bool(self._writer.buffered)
+        return self._metadata_dirty or self._durable_count < self._put_count
 
     def _request_checkpoint(self) -> None:
         if not self._checkpoint_due:
@@ -339,38 +456,38 @@ class DiskQueue:
             self._wakeup.set()
 
     async def _commit(self, checkpoint: bool) -> None:
-        """One round: write the buffer, fsync in a thread, release the waiters."""
+        """One round: fsync in a thread (with the metadata at a checkpoint), release the waiters."""
         commit, self._next_round = self._next_round, _CommitRound()
         target = self._put_count
         if checkpoint:  # on failure too: the next try waits for the timeout, no busy retry
             self._checkpoint_due = False
             self._last_checkpoint = trio.current_time()
+        plan = self._plan(checkpoint)
         try:
-            plan = self._plan(checkpoint)
-            try:
-                await trio.to_thread.run_sync(sync.execute, plan, self._files, self._gate)
-            except OSError as exc:
-                self._writer.directory_changed |= plan.sync_directory
-                if plan.metadata is not None:
-                    self._reader.consumed[:0] = plan.consumed
-                    self._metadata_dirty = True
-                raise self._write_failed(exc) from exc
-        except DiskQueueWriteError as error:
-            commit.finish(error)
+            save_error = await trio.to_thread.run_sync(sync.execute, plan, self._files, self._gate)
+        except OSError as exc:
+            self._writer.directory_changed |= plan.sync_directory
+            if plan.metadata is not None:
+                self._metadata_dirty = True
+            commit.finish(self._write_failed(exc))
             return
         if plan.generation == self._gate.generation:
             self._writer.close_retired(plan.retired)
+            if plan.metadata is not None:
+                self._oldest_segment = max(self._oldest_segment, min(plan.metadata.release[0], self._writer.segment))
         self._durable_count = max(self._durable_count, target)
         self._syncs += 1
+        if save_error is not None:
+            self._metadata_dirty = True
+            self._last_error = f"disk queue {self.name!r}: cannot save metadata: {save_error}"
+            self._log.error("diskq_metadata_save_failed", error=str(save_error))
+        elif self.failing is not None:
+            self._log.info("diskq_write_recovered", after=self.failing)
+            self.failing = None
         commit.finish(None)
 
     def _plan(self, checkpoint: bool) -> sync.SyncPlan:
         writer = self._writer
-        try:
-            writer.flush()
-        except OSError as exc:
-            raise self._write_failed(exc) from exc
-        self._clear_write_error()
         plan = sync.SyncPlan(
             generation=self._gate.generation,
             fds=writer.unsynced_fds(),
@@ -380,19 +497,47 @@ class DiskQueue:
         writer.directory_changed = False
         if checkpoint:
             plan.metadata = self._snapshot()
-            plan.consumed, self._reader.consumed = self._reader.consumed, []
+            release_segment = plan.metadata.release[0]
+            plan.consumed = list(range(self._oldest_segment, min(release_segment, writer.segment)))
             self._metadata_dirty = False
-            self._puts_since_checkpoint = 0
+            self._ops_since_checkpoint = 0
         return plan
 
     def _snapshot(self) -> Metadata:
-        """Positions and depth as of now; only valid with an empty write buffer."""
+        """Positions, depth and the keeper's kept records, as of now."""
+        reader, writer = self._reader, self._writer
+        read_at = reader.position
+        depth = self._depth
+        kept: list[Kept] = []
+        kept_count = 0
+        if self.keeper is not None:
+            kept, kept_count = self.keeper()
+        if self._filter_until is not None:  # still reading what was kept before the last stop
+            read_at = self._filter_until
+            depth -= self._kept_unread
+            kept_count += self._kept_unread
+            here = reader.position
+            kept = kept + [(max(f, here), l, None) for f, l in zip(self._filter_firsts, self._filter_lasts)
+                           if l >= here]
+        if self._reserved:
+            kept = kept + [(pos, pos, RESERVED_NOTE) for pos in self._reserved]
+        release = min([read_at, *(k[0] for k in kept)]) if kept else read_at
+        if release > reader.position and self._filter_until is not None:
+            release = reader.position
+        self._release = release
+        read_segment, read_offset = split_position(read_at)
+        release_segment, release_offset = split_position(release)
+        same = release == read_at
         return Metadata(
-            read_segment=self._reader.segment,
-            read_position=self._reader.position,
-            write_segment=self._writer.segment,
-            write_position=self._writer.end,
-            depth=self._depth,
+            read_segment=read_segment,
+            read_position=read_offset,
+            write_segment=writer.segment,
+            write_position=writer.end,
+            depth=max(depth, 0),
+            release_segment=-1 if same else release_segment,
+            release_position=0 if same else release_offset,
+            kept=tuple(kept) if not same else (),
+            kept_count=kept_count if not same else 0,
         )
 
     def _save_metadata_now(self) -> None:
@@ -413,47 +558,40 @@ class DiskQueue:
             fresh = self._writer.segment + 1
             self._writer.reset(fresh)
             self._reader.reset(fresh)
+            self._end_filter()
+            self._reserved.clear()
             doomed = self._files.list_segments()
             for segment in doomed:
                 _unlink_if_present(self._files.segment_path(segment))
             self._depth = 0
+            self._oldest_segment = fresh
+            self._release = self._reader.position
             self._save_metadata_now()
         self._log.info("diskq_emptied", removed_segments=len(doomed))
         self._durable_count = self._put_count
         self._release_waiters(None)
 
     def close(self) -> None:
-        """Write and fsync everything, save the metadata, release the files.
+        """Fsync everything, save the metadata (with the keeper's view), release the files.
 
-        Blocks; meant for shutdown. Raises DiskQueueWriteError if buffered
-        records could not be written (they are lost).
+        Blocks; meant for shutdown. Raises DiskQueueWriteError if the data
+        or the metadata could not be made durable.
         """
         if self._closed:
             return
         error: DiskQueueWriteError | None = None
-        try:
-            self._writer.flush()
-        except OSError as exc:
-            error = DiskQueueWriteError.from_os_error(
-                exc,
-                f"disk queue {self.name!r}: closed with {self._writer.buffered} bytes that could not "
-                f"be written to {self._files.directory}; they are lost",
-            )
-            self._last_error = str(error)
-            self._log.error("diskq_close_lost_records", error=str(error), errno=error.errno)
         with self._gate.lock:
             self._gate.generation += 1
             try:
                 for fd in self._writer.unsynced_fds():
                     os.fdatasync(fd)
-                if error is None:
-                    save_metadata(self._files.metadata_path, self._snapshot())
-                    for segment in self._reader.consumed:
-                        _unlink_if_present(self._files.segment_path(segment))
-                elif self._writer.directory_changed:
-                    fsync_directory(self._files.directory)
+                meta = self._snapshot()
+                released = list(range(self._oldest_segment, min(meta.release[0], self._writer.segment)))
+                save_error = sync.save_and_release(self._files, meta, released)
+                if save_error is not None:
+                    raise save_error
             except OSError as exc:
-                error = error or self._write_failed(exc)
+                error = self._write_failed(exc)
             finally:
                 self._shut()
         if error is None:
@@ -493,6 +631,10 @@ class DiskQueue:
         if self._closed:
             raise DiskQueueError(f"disk queue {self.name!r} is closed")
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def statistics(self) -> DiskQueueStatistics:
         damaged_records, damaged_bytes = self._recovered_damage
         reader, writer = self._reader, self._writer
@@ -504,9 +646,29 @@ class DiskQueue:
             corrupt_records_skipped=damaged_records + reader.damaged_records,
             bytes_skipped=damaged_bytes + reader.damaged_bytes,
             syncs=self._syncs,
-            buffered_bytes=writer.buffered,
             last_error=self._last_error,
         )
+
+
+#: the note on a kept record the owner takes back itself: the queue never reads it back
+RESERVED_NOTE = {"r": 1}
+
+
+def _reserved_note(note: object) -> bool:
+    return isinstance(note, dict) and bool(note.get("r"))
+
+
+def _union(kept) -> tuple[list[int], list[int]]:
+    """Kept intervals merged into sorted, disjoint ones (firsts, lasts) for lookups."""
+    firsts: list[int] = []
+    lasts: list[int] = []
+    for first, last, _ in sorted(kept, key=lambda k: k[0]):
+        if lasts and first <= lasts[-1]:
+            lasts[-1] = max(lasts[-1], last)
+        else:
+            firsts.append(first)
+            lasts.append(last)
+    return firsts, lasts
 
 
 def _copy_for_waiter(error: DiskQueueError) -> DiskQueueError:

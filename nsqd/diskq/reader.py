@@ -1,9 +1,9 @@
 """Reading records in order across segments, skipping damage.
 
-The reader parses large chunks (``pread`` for bytes already in the file, a
-copy of the writer's buffer for bytes not yet written), so reading costs a
-few C-level calls per record. A record with a bad length or checksum is
-skipped by searching forward for the next record that verifies.
+The reader parses large chunks read with ``pread`` (every record is in its
+file by the time its put returned), so reading costs a few C-level calls per
+record. A record with a bad length or checksum is skipped by searching
+forward for the next record that verifies.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from .records import (
     Outcome,
     find_next_record,
     parse_records,
+    position,
     record_length_at,
+    split_position,
 )
 from .writer import SegmentWriter
 
@@ -33,7 +35,7 @@ class SegmentReader:
         files: QueueFiles,
         writer: SegmentWriter,
         segment: int,
-        position: int,
+        offset: int,
         min_size: int,
         max_size: int,
         log: structlog.typing.FilteringBoundLogger,
@@ -45,51 +47,98 @@ class SegmentReader:
         self._log = log
         self._fd: int | None = None
         self._sealed_size: int | None = None
-        self.consumed: list[int] = []
         self.damaged_records = 0
         self.damaged_bytes = 0
         self.bytes_read = 0
-        self._start_segment(segment, position)
+        self._start_segment(segment, offset)
 
-    def _start_segment(self, segment: int, position: int) -> None:
+    def _start_segment(self, segment: int, offset: int) -> None:
         self.close()
         self.segment = segment
-        self.position = max(position, SEGMENT_HEADER_SIZE)
+        self.offset = max(offset, SEGMENT_HEADER_SIZE)
         self._chunk = b""
-        self._chunk_start = self.position
+        self._chunk_start = self.offset
         self._sealed_size = None
 
     @property
-    def caught_up(self) -> bool:
-        return self.segment >= self._writer.segment and self.position >= self._writer.end
+    def position(self) -> int:
+        return position(self.segment, self.offset)
 
-    def read_many(self, max_count: int) -> list[bytes]:
-        """Up to ``max_count`` payloads in order.
+    @property
+    def caught_up(self) -> bool:
+        writer = self._writer
+        return self.segment > writer.segment or (
+            self.segment == writer.segment and self.offset >= max(writer.end, SEGMENT_HEADER_SIZE))
+
+    def skip_to_end(self) -> None:
+        """Move past everything written (records the caller holds itself)."""
+        writer = self._writer
+        if self.segment != writer.segment:
+            self._start_segment(writer.segment, writer.end)
+        else:
+            self.offset = max(writer.end, SEGMENT_HEADER_SIZE)
+            self._chunk = b""
+            self._chunk_start = self.offset
+
+    def skip_to(self, pos: int) -> None:
+        """Move to a record boundary at or after the current position (records the caller holds)."""
+        segment, offset = split_position(pos)
+        if segment != self.segment:
+            self._start_segment(segment, offset)
+        else:
+            self.offset = offset
+            self._chunk = b""
+            self._chunk_start = offset
+
+    def jump(self, segment: int, offset: int) -> None:
+        """Back to an earlier spot (a batch taken back)."""
+        self._start_segment(segment, offset)
+
+    def record_at(self, pos: int) -> bytes | None:
+        """The payload of the record at ``pos``, or None if no valid record starts there."""
+        segment, offset = split_position(pos)
+        try:
+            fd = os.open(self._files.segment_path(segment), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            head = os.pread(fd, RECORD_HEADER_SIZE, offset)
+            length = record_length_at(head, 0)
+            if length is None or not self._min_size <= length <= self._max_size:
+                return None
+            data = head + os.pread(fd, length, offset + RECORD_HEADER_SIZE)
+        finally:
+            os.close(fd)
+        found: list[bytes] = []
+        parse_records(data, 0, 1, self._min_size, self._max_size, found.append)
+        return found[0] if found else None
+
+    def read_many(self, max_count: int, positions: list[int] | None = None) -> list[bytes]:
+        """Up to ``max_count`` payloads in order; their positions go to ``positions`` if given.
 
         Raises OSError only if nothing was read; otherwise returns what was
         read and lets the next call meet the error again.
         """
         out: list[bytes] = []
         try:
-            self._read_into(out, max_count)
+            self._read_into(out, max_count, positions)
         except OSError:
             if not out:
                 raise
         self.bytes_read += sum(map(len, out)) + RECORD_HEADER_SIZE * len(out)
         return out
 
-    def _read_into(self, out: list[bytes], max_count: int) -> None:
+    def _read_into(self, out: list[bytes], max_count: int, positions: list[int] | None) -> None:
         while len(out) < max_count:
             chunk = self._chunk
+            start = self.offset - self._chunk_start
+            mark = None
+            if positions is not None:
+                base = position(self.segment, self._chunk_start)
+                mark = lambda offset: positions.append(base + offset)  # noqa: E731
             offset, _, outcome = parse_records(
-                chunk,
-                self.position - self._chunk_start,
-                max_count - len(out),
-                self._min_size,
-                self._max_size,
-                out.append,
-            )
-            self.position = self._chunk_start + offset
+                chunk, start, max_count - len(out), self._min_size, self._max_size, out.append, mark)
+            self.offset = self._chunk_start + offset
             if outcome is Outcome.COUNT_REACHED:
                 return
             limit = self._limit()
@@ -100,20 +149,19 @@ class SegmentReader:
                 if self._chunk_start + len(chunk) < limit:
                     length = record_length_at(chunk, offset)
                     want = SCAN_WINDOW if length is None else max(SCAN_WINDOW, RECORD_HEADER_SIZE + length)
-                    if self._load(min(want, limit - self.position)):
+                    if self._load(min(want, limit - self.offset)):
                         continue
-                elif self.position >= limit:
+                elif self.offset >= limit:
                     if self.segment >= self._writer.segment:
                         return
-                    self.consumed.append(self.segment)
                     self._start_segment(self.segment + 1, SEGMENT_HEADER_SIZE)
                     continue
             self._skip_damage(limit)
 
     def _load(self, size: int) -> bool:
-        """Make the chunk start at the read position; False if the data ends early."""
-        self._chunk = self._fetch(self.position, size)
-        self._chunk_start = self.position
+        """Make the chunk start at the read offset; False if the data ends early."""
+        self._chunk = self._fetch(self.offset, size)
+        self._chunk_start = self.offset
         return len(self._chunk) == size
 
     def _limit(self) -> int | None:
@@ -121,9 +169,6 @@ class SegmentReader:
         writer = self._writer
         if self.segment == writer.segment:
             return writer.end
-        extent = writer.extent(self.segment)
-        if extent is not None:
-            return extent.end
         if self._sealed_size is None:
             try:
                 self._sealed_size = os.fstat(self._open()).st_size
@@ -136,20 +181,11 @@ class SegmentReader:
             self._fd = os.open(self._files.segment_path(self.segment), os.O_RDONLY | os.O_CLOEXEC)
         return self._fd
 
-    def _fetch(self, position: int, size: int) -> bytes:
-        """Bytes of the current segment, from the file and/or the writer's buffer."""
-        extent = self._writer.extent(self.segment)
-        if extent is not None and position >= extent.start:
-            index = position - extent.start
-            return bytes(extent.data[index:index + size])
-        in_file = size if extent is None else min(size, extent.start - position)
-        data = os.pread(self._open(), in_file, position)
-        if extent is not None and len(data) == in_file < size:
-            data += extent.data[:size - in_file]
-        return data
+    def _fetch(self, offset: int, size: int) -> bytes:
+        return os.pread(self._open(), size, offset)
 
     def _skip_damage(self, limit: int) -> None:
-        damaged_at = self.position
+        damaged_at = self.offset
         resume = find_next_record(self._fetch, damaged_at + 1, limit, self._min_size, self._max_size)
         resume_at = limit if resume is None else resume
         self.damaged_records += 1
@@ -161,7 +197,7 @@ class SegmentReader:
             skipped_bytes=resume_at - damaged_at,
             resumed=resume is not None,
         )
-        self.position = resume_at
+        self.offset = resume_at
         self._chunk = b""
         self._chunk_start = resume_at
 
@@ -171,7 +207,6 @@ class SegmentReader:
 
     def reset(self, segment: int) -> None:
         self._start_segment(segment, SEGMENT_HEADER_SIZE)
-        self.consumed = []
 
     def close(self) -> None:
         if self._fd is not None:

@@ -30,6 +30,19 @@ _LENGTH = struct.Struct(">I")
 
 SCAN_WINDOW = 1 << 20
 
+OFFSET_BITS = 32
+MAX_SEGMENT_BYTES = 1 << OFFSET_BITS
+"""Segments stay below 4 GiB, so a record's offset fits the low 32 bits of its position."""
+
+
+def position(segment: int, offset: int) -> int:
+    """A record's position: its segment number and byte offset in one ordered integer."""
+    return segment << OFFSET_BITS | offset
+
+
+def split_position(pos: int) -> tuple[int, int]:
+    return pos >> OFFSET_BITS, pos & (MAX_SEGMENT_BYTES - 1)
+
 Fetch = Callable[[int, int], bytes]
 """``fetch(position, size)`` returns the bytes there; fewer only at the data end."""
 
@@ -90,11 +103,13 @@ def parse_records(
     min_size: int,
     max_size: int,
     emit: Callable[[bytes], object],
+    mark: Callable[[int], object] | None = None,
 ) -> tuple[int, int, Outcome]:
     """Emit consecutive valid payloads from ``buf[offset:]``.
 
-    Returns the offset after the last good record, how many were emitted and
-    why parsing stopped. This loop is the read hot path.
+    ``mark``, when given, receives the offset in ``buf`` of each emitted
+    record. Returns the offset after the last good record, how many were
+    emitted and why parsing stopped. This loop is the read hot path.
     """
     crc32 = crc32c
     unpack_from = _RECORD_HEADER.unpack_from
@@ -114,6 +129,8 @@ def parse_records(
         if crc32(payload, crc32(buf[offset:body - 4])) != crc:
             return offset, count, Outcome.DAMAGED
         emit(payload)
+        if mark is not None:
+            mark(offset)
         offset = stop
         count += 1
     return offset, count, Outcome.COUNT_REACHED

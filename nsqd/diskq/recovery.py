@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from .metadata import Metadata, load_metadata
+from .metadata import Kept, Metadata, load_metadata
 from .naming import QueueFiles
 from .records import (
     SEGMENT_HEADER_SIZE,
@@ -27,11 +27,19 @@ from .records import (
 
 @dataclass(frozen=True)
 class RecoveredState:
+    release_segment: int
+    release_position: int
+    """Where reading starts: records between here and the read position are
+    delivered again only if ``kept`` lists them."""
     read_segment: int
     read_position: int
     write_segment: int
     write_position: int
     depth: int
+    """Unread records: the kept ones plus everything after the read position."""
+    kept: tuple[Kept, ...]
+    kept_count: int
+    """Of ``depth``, the records the kept intervals hold."""
     damaged_records: int
     damaged_bytes: int
 
@@ -50,12 +58,24 @@ class _Recovery:
         meta = self._load_metadata()
         segments = self._check_headers(self.files.list_segments())
         if meta is not None:
-            segments = self._remove_consumed(segments, meta.read_segment)
+            segments = self._remove_consumed(segments, meta.release[0])
         if not segments:
             start = meta.write_segment if meta is not None else 0
-            return RecoveredState(start, 0, start, 0, 0, self.damaged_records, self.damaged_bytes)
+            return RecoveredState(start, 0, start, 0, start, 0, 0, (), 0, self.damaged_records, self.damaged_bytes)
 
         read_segment, read_position = self._read_start(meta, segments)
+        release_segment, release_position = read_segment, read_position
+        kept: tuple[Kept, ...] = ()
+        kept_count = 0
+        if meta is not None and (read_segment, read_position) == (meta.read_segment, max(meta.read_position, SEGMENT_HEADER_SIZE)):
+            wanted = meta.release
+            if wanted < (read_segment, read_position):
+                present = [s for s in segments if s >= wanted[0]]
+                release_segment = present[0]
+                release_position = max(wanted[1], SEGMENT_HEADER_SIZE) if release_segment == wanted[0] else SEGMENT_HEADER_SIZE
+                if release_position > self.sizes[release_segment]:
+                    release_position = SEGMENT_HEADER_SIZE
+                kept, kept_count = meta.kept, meta.kept_count
         trusted = meta is not None and self._trust_write_side(meta, segments, read_segment, read_position)
         if trusted:
             scan_segment, scan_position, depth = meta.write_segment, meta.write_position, meta.depth
@@ -77,9 +97,10 @@ class _Recovery:
                     self._truncate_tail(segment, found.end)
         if scan_segment > tail:
             # The saved write segment was never created: nothing was written there.
-            write_segment, write_position = scan_segment, scan_position
+            write_segment, write_position = scan_segment, 0
         return RecoveredState(
-            read_segment, read_position, write_segment, write_position, depth, self.damaged_records, self.damaged_bytes
+            release_segment, release_position, read_segment, read_position, write_segment, write_position,
+            depth + kept_count, kept, kept_count, self.damaged_records, self.damaged_bytes,
         )
 
     def _load_metadata(self) -> Metadata | None:
@@ -112,13 +133,13 @@ class _Recovery:
             usable.append(segment)
         return usable
 
-    def _remove_consumed(self, segments: list[int], read_segment: int) -> list[int]:
-        """Segments before the saved read segment were fully read before the last save."""
+    def _remove_consumed(self, segments: list[int], release_segment: int) -> list[int]:
+        """Segments before the saved release segment were finished before the last save."""
         for segment in segments:
-            if segment < read_segment:
+            if segment < release_segment:
                 self.log.info("diskq_consumed_segment_removed", segment=segment)
                 os.unlink(self.files.segment_path(segment))
-        return [segment for segment in segments if segment >= read_segment]
+        return [segment for segment in segments if segment >= release_segment]
 
     def _read_start(self, meta: Metadata | None, segments: list[int]) -> tuple[int, int]:
         if meta is not None and meta.read_segment in self.sizes:

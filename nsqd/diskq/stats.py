@@ -21,7 +21,5 @@ class DiskQueueStatistics:
     """Bytes skipped or cut off because they did not form valid records."""
     syncs: int
     """Commits (fsync rounds in the worker thread) completed since open."""
-    buffered_bytes: int
-    """Bytes accepted but not yet handed to the operating system."""
     last_error: str | None
     """The most recent write, sync or read error, if any."""

@@ -9,6 +9,7 @@ touches a descriptor that was closed (and maybe reused) under it.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from dataclasses import dataclass, field
@@ -37,19 +38,52 @@ class SyncPlan:
     """Fully read segments, removed once ``metadata`` (which no longer points at them) is saved."""
 
 
-def execute(plan: SyncPlan, files: QueueFiles, gate: SyncGate) -> None:
-    """Make the plan durable; raises OSError. Does nothing if its descriptors were closed."""
+def execute(plan: SyncPlan, files: QueueFiles, gate: SyncGate) -> OSError | None:
+    """Make the plan durable. Does nothing if its descriptors were closed.
+
+    Raises OSError if the data could not be synced. A metadata save that
+    fails is returned instead: the data is durable all the same (metadata is
+    only a hint), and the caller retries the save later.
+    """
     with gate.lock:
         if plan.generation != gate.generation:
-            return
+            return None
         for fd in plan.fds:
             os.fdatasync(fd)
-        if plan.metadata is not None:
-            save_metadata(files.metadata_path, plan.metadata)
-            for segment in plan.consumed:
-                try:
-                    os.unlink(files.segment_path(segment))
-                except FileNotFoundError:
-                    pass
-        elif plan.sync_directory:
-            fsync_directory(files.directory)
+        if plan.metadata is None:
+            if plan.sync_directory:
+                fsync_directory(files.directory)
+            return None
+        return save_and_release(files, plan.metadata, plan.consumed)
+
+
+def save_and_release(files: QueueFiles, metadata: Metadata, released: list[int]) -> OSError | None:
+    """Save the metadata, then delete the released segments; returns the save's error.
+
+    Saving first means a crash never leaves metadata pointing at a deleted
+    segment. On a full disk the save itself needs space, so the released
+    segments go first: if the process then dies, recovery starts from the
+    oldest segment left and may deliver finished records again, but frees the
+    space that lets the disk recover.
+    """
+    try:
+        save_metadata(files.metadata_path, metadata)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            return exc
+        _unlink_segments(files, released)
+        try:
+            save_metadata(files.metadata_path, metadata)
+        except OSError as again:
+            return again
+        return None
+    _unlink_segments(files, released)
+    return None
+
+
+def _unlink_segments(files: QueueFiles, segments: list[int]) -> None:
+    for segment in segments:
+        try:
+            os.unlink(files.segment_path(segment))
+        except FileNotFoundError:
+            pass

@@ -1,133 +1,152 @@
-"""Appending records to segments through a bounded in-memory buffer.
+"""Appending records to segments: written to the OS before the call returns, all or nothing.
 
-Puts only encode into memory; bytes reach the files in large ``pwrite``
-calls. Buffered bytes are kept per segment ("extents"), so a rotation never
-forces a write in the middle of a batch and a failed write loses nothing:
-the bytes stay buffered and the next flush retries at the same offsets.
+A put is a confirmation's promise: the bytes are handed to the kernel
+(``pwrite``) before :meth:`SegmentWriter.write` returns, so a crash of the
+process loses nothing that was put, as go-diskqueue's ``Put`` guarantees. A
+batch is one ``pwrite`` per segment it touches. If any write fails (a full
+disk, an I/O error) the batch is rolled back: the segment is cut back to where
+the batch began and segments it created are removed, so the caller can refuse
+the whole batch and nothing of it reappears after a restart.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from itertools import accumulate, repeat
+from operator import add
 from os import pwrite
 
 from .naming import QueueFiles
-from .records import RECORD_HEADER_SIZE, SEGMENT_HEADER_SIZE, encode_record, encode_records, segment_header
-
-
-class Extent:
-    """Bytes of one segment not yet written, starting at file offset ``start``."""
-
-    __slots__ = ("segment", "start", "data")
-
-    def __init__(self, segment: int, start: int, data: bytes = b"") -> None:
-        self.segment = segment
-        self.start = start
-        self.data = bytearray(data)
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.data)
+from .records import RECORD_HEADER_SIZE, SEGMENT_HEADER_SIZE, encode_record, encode_records, position, segment_header
 
 
 class SegmentWriter:
-    """Owns the write side: the current segment, its buffer and its file descriptors.
+    """Owns the write side: the current segment, its descriptor and its end.
 
-    The last extent is the current segment; earlier ones are sealed segments
-    whose tail is still buffered. Descriptors of sealed segments move to
-    ``retired`` once written, for the next sync to fsync and close.
+    Descriptors of sealed segments move to ``retired`` for the next sync to
+    fsync and close.
     """
 
-    def __init__(self, files: QueueFiles, segment: int, position: int, max_bytes_per_file: int) -> None:
+    def __init__(self, files: QueueFiles, segment: int, end: int, max_bytes_per_file: int) -> None:
         self._files = files
         self._max_bytes = max_bytes_per_file
-        self._extents = [Extent(segment, position)]
-        self._fds: dict[int, int] = {}
+        self.segment = segment
+        self.end = end
+        """Bytes of the current segment in its file; 0 while the file does not exist."""
+        self._fd: int | None = None
         self.retired: list[int] = []
         self.directory_changed = False
-        self.buffered = 0
-        """Bytes accepted but not yet written to a file."""
 
-    @property
-    def segment(self) -> int:
-        return self._extents[-1].segment
+    def write(self, payloads: Sequence[bytes], size: int, want_positions: bool) -> list[int] | None:
+        """Write encoded records (``size`` bytes with headers); returns their positions if asked.
 
-    @property
-    def end(self) -> int:
-        """Logical end of the current segment, buffered bytes included."""
-        return self._extents[-1].end
+        Raises OSError after rolling the batch back.
+        """
+        start = self.end or SEGMENT_HEADER_SIZE
+        if start + size > self._max_bytes and (self.end > SEGMENT_HEADER_SIZE or len(payloads) > 1):
+            return self._write_rotating(payloads, want_positions)
+        data = encode_records(payloads) if len(payloads) > 1 else encode_record(payloads[0])
+        if not self.end:
+            data = segment_header() + data
+        fd = self._current_fd()
+        self._write_all(fd, data, self.end, rollback_to=self.end)
+        self.end += len(data)
+        if not want_positions:
+            return None
+        sizes = map(add, map(len, payloads), repeat(RECORD_HEADER_SIZE))
+        positions = list(accumulate(sizes, initial=position(self.segment, start)))
+        positions.pop()
+        return positions
 
-    def extent(self, segment: int) -> Extent | None:
-        for extent in self._extents:
-            if extent.segment == segment:
-                return extent
-        return None
-
-    def append(self, payloads: Sequence[bytes], size: int) -> int:
-        """Buffer encoded records (``size`` bytes with headers); returns segments started."""
-        current = self._extents[-1]
-        if current.end == 0:
-            current.data += segment_header()
-            self.buffered += SEGMENT_HEADER_SIZE
-        if current.end + size <= self._max_bytes:
-            current.data += encode_records(payloads) if len(payloads) > 1 else encode_record(payloads[0])
-            self.buffered += size
-            return 0
-        return self._append_rotating(payloads)
-
-    def _append_rotating(self, payloads: Sequence[bytes]) -> int:
+    def _write_rotating(self, payloads: Sequence[bytes], want_positions: bool) -> list[int] | None:
         """Slow path: the batch crosses a segment boundary; place record by record.
 
         A segment holds at least one record, so a record larger than
         ``max_bytes_per_file`` gets a segment of its own.
         """
-        started = 0
-        current = self._extents[-1]
+        groups: list[tuple[int, int, bytearray]] = []  # (segment, file offset, bytes)
+        positions: list[int] = []
+        segment, end = self.segment, self.end
+        current = bytearray(b"" if end else segment_header())
+        offset = end
+        end = end or SEGMENT_HEADER_SIZE
         for payload in payloads:
             size = RECORD_HEADER_SIZE + len(payload)
-            if current.end > SEGMENT_HEADER_SIZE and current.end + size > self._max_bytes:
-                current = Extent(current.segment + 1, 0, segment_header())
-                self._extents.append(current)
-                self.buffered += SEGMENT_HEADER_SIZE
-                started += 1
-            current.data += encode_record(payload)
-            self.buffered += size
-        return started
+            if end > SEGMENT_HEADER_SIZE and end + size > self._max_bytes:
+                groups.append((segment, offset, current))
+                segment, offset, end = segment + 1, 0, SEGMENT_HEADER_SIZE
+                current = bytearray(segment_header())
+            positions.append(position(segment, end))
+            current += encode_record(payload)
+            end += size
+        groups.append((segment, offset, current))
+        first_segment, first_end, first_fd = self.segment, self.end, self._fd
+        opened: list[tuple[int, int]] = []  # (segment, fd) created by this batch
+        try:
+            for segment, offset, data in groups:
+                if segment == first_segment:
+                    fd = self._current_fd()
+                    first_fd = fd
+                else:
+                    fd = self._create(segment)
+                    opened.append((segment, fd))
+                self._write_all(fd, data, offset, rollback_to=offset if segment == first_segment else None)
+        except OSError:
+            for number, fd in opened:
+                os.close(fd)
+                _unlink_quietly(self._files.segment_path(number))
+            if first_fd is not None:
+                _truncate_quietly(first_fd, first_end)
+            raise
+        if opened:  # every sealed segment's descriptor waits for the next sync
+            if first_fd is not None:
+                self.retired.append(first_fd)
+            self.retired += [fd for _, fd in opened[:-1]]
+            self.segment, self._fd = opened[-1]
+        self.end = groups[-1][1] + len(groups[-1][2])
+        return positions if want_positions else None
 
-    def flush(self) -> None:
-        """Write every buffered byte; on OSError the unwritten rest stays buffered."""
-        while True:
-            extent = self._extents[0]
-            if extent.data:
-                fd = self._fd_for(extent)
-                while extent.data:
-                    written = pwrite(fd, extent.data, extent.start)
-                    extent.start += written
-                    del extent.data[:written]
-                    self.buffered -= written
-            if len(self._extents) == 1:
-                return
-            del self._extents[0]
-            fd = self._fds.pop(extent.segment, None)
-            if fd is not None:
-                self.retired.append(fd)
+    def _write_all(self, fd: int, data: bytes | bytearray, offset: int, rollback_to: int | None) -> None:
+        view = memoryview(data)
+        written = 0
+        try:
+            while written < len(view):
+                written += pwrite(fd, view[written:], offset + written)
+        except OSError:
+            if written and rollback_to is not None:
+                _truncate_quietly(fd, rollback_to)
+            raise
 
-    def _fd_for(self, extent: Extent) -> int:
-        fd = self._fds.get(extent.segment)
-        if fd is None:
-            flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC
-            if extent.start == 0:
-                flags |= os.O_TRUNC
-                self.directory_changed = True
-            fd = os.open(self._files.segment_path(extent.segment), flags, 0o644)
-            self._fds[extent.segment] = fd
+    def _current_fd(self) -> int:
+        if self._fd is None:
+            if self.end == 0:
+                self._fd = self._create(self.segment)
+            else:
+                self._fd = os.open(self._files.segment_path(self.segment), os.O_WRONLY | os.O_CLOEXEC)
+        return self._fd
+
+    def _create(self, segment: int) -> int:
+        fd = os.open(self._files.segment_path(segment), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        self.directory_changed = True
         return fd
+
+    def rollback(self, segment: int, end: int) -> None:
+        """Cut everything written after ``(segment, end)`` (a batch taken back)."""
+        if self.segment != segment:
+            if self._fd is not None:
+                os.close(self._fd)
+            for number in range(segment + (1 if end else 0), self.segment + 1):
+                _unlink_quietly(self._files.segment_path(number))
+            self.segment = segment
+            self._fd = os.open(self._files.segment_path(segment), os.O_WRONLY | os.O_CLOEXEC) if end else None
+        if self._fd is not None:
+            os.ftruncate(self._fd, end)
+        self.end = end
 
     def unsynced_fds(self) -> list[int]:
         """Descriptors whose data a sync must cover: sealed segments, then the current one."""
-        current = self._fds.get(self.segment)
-        return self.retired + ([] if current is None else [current])
+        return self.retired + ([] if self._fd is None else [self._fd])
 
     def close_retired(self, fds: list[int]) -> None:
         """Close sealed-segment descriptors that a sync has covered."""
@@ -138,14 +157,28 @@ class SegmentWriter:
         self.retired = [fd for fd in self.retired if fd not in synced]
 
     def reset(self, segment: int) -> None:
-        """Drop everything buffered and start afresh at an empty ``segment``."""
+        """Start afresh at an empty ``segment``."""
         self.close()
-        self._extents = [Extent(segment, 0)]
-        self.buffered = 0
+        self.segment = segment
+        self.end = 0
 
     def close(self) -> None:
-        """Close every descriptor without writing what is buffered."""
-        for fd in [*self._fds.values(), *self.retired]:
+        for fd in [*([] if self._fd is None else [self._fd]), *self.retired]:
             os.close(fd)
-        self._fds.clear()
+        self._fd = None
         self.retired = []
+
+
+def _truncate_quietly(fd: int, size: int) -> None:
+    """Cut a partial batch off; if even that fails, recovery's checksums drop the torn part."""
+    try:
+        os.ftruncate(fd, size)
+    except OSError:
+        pass
+
+
+def _unlink_quietly(path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

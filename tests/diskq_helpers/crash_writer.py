@@ -5,7 +5,9 @@ Usage: python -m tests.diskq_helpers.crash_writer DATA_DIR FIRST_SEQ MODE SEED
 It prints ``s <seq>`` once the queue is open. MODE ``durable`` puts
 batches, waits for durability and prints ``d <seq>`` for the last confirmed
 record, while a consumer task reads and prints ``c <seq>`` for the last
-record it consumed. MODE ``buffered`` only puts.
+record it consumed. MODE ``written`` only puts, and prints ``w <seq>`` for
+the last record of each put once it returned (written to the OS: a process
+crash must not lose it).
 """
 
 import random
@@ -38,6 +40,7 @@ async def produce(queue: DiskQueue, seq: int, rng: random.Random, durable: bool)
             await queue.wait_durable()
             print("d", seq - 1, flush=True)
         else:
+            print("w", seq - 1, flush=True)
             await trio.sleep(0)
 
 

@@ -1,0 +1,318 @@
+"""A subscription: one consumer's hold on a channel, and the only way to touch in-flight messages.
+
+NSQ TCP clients, AMQP receiving links and lease readers all consume through
+this one object. It takes messages from its channel within its budget, owns
+their in-flight state (as Go's channel owns in-flight and checks ownership in
+FinishMessage) and settles them: finish, requeue (counting an attempt or
+not), touch, reject (dead-letter).
+
+The budget bounds what a connection holds: every subscription of one
+connection shares one :class:`Budget`, and messages in leases the
+subscription opened count until they are settled, so no client can hold
+more than its RDY (or, for AMQP, ``--max-rdy-count`` whatever credit it
+grants) by spreading messages over links or lease names.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING, Protocol
+
+from . import message
+from .in_flight import InFlight
+
+if TYPE_CHECKING:
+    from .channel import Channel, Piece
+    from .leases import Lease
+
+
+class Consumer(Protocol):
+    """What a channel needs of the connection behind a subscription."""
+
+    def wake(self) -> None:
+        """Messages arrived or room was made: fill when you can."""
+
+    def close(self) -> None:
+        """The channel is being deleted: the consumer must go."""
+
+    def drain(self) -> None:
+        """The daemon is shutting down: finish what you hold, then leave."""
+
+    def timed_out(self, count: int) -> None:
+        """``count`` messages this consumer held timed out (they go back to the channel)."""
+
+
+class Budget:
+    """One connection's in-flight allowance, shared by its subscriptions."""
+
+    __slots__ = ("limit", "subscriptions")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.subscriptions: list[Subscription] = []
+
+    @property
+    def used(self) -> int:
+        return sum(s.in_flight_count for s in self.subscriptions)
+
+    @property
+    def free(self) -> int:
+        return max(self.limit - self.used, 0)
+
+
+#: the reasons FIN, REQ and TOUCH give when they cannot find a message (Go nsqd's texts)
+NOT_OWNED = "client does not own message"
+NOT_IN_FLIGHT = "ID not in flight"
+
+
+class Subscription:
+    def __init__(self, channel: Channel, consumer: Consumer, sub_id: int, budget: Budget,
+                 msg_timeout_ns: int, max_msg_timeout_ns: int) -> None:
+        self.channel = channel
+        self.consumer = consumer
+        self.id = sub_id
+        self.budget = budget
+        budget.subscriptions.append(self)
+        self.msg_timeout_ns = msg_timeout_ns
+        self.max_msg_timeout_ns = max_msg_timeout_ns
+        self.in_flight = InFlight()
+        #: the lease deliveries go to (the lease extension), and every lease this subscription opened
+        self.lease: Lease | None = None
+        self.leases: set[Lease] = set()
+        #: percent of messages delivered (IDENTIFY sample_rate); the rest are dropped for the channel
+        self.sample_rate = 0
+        self.closed = False
+        self.message_count = 0
+        self.finish_count = 0
+        self.requeue_count = 0
+        self.timeout_count = 0
+
+    # --------------------------------------------------------------- counts
+    @property
+    def in_flight_count(self) -> int:
+        count = len(self.in_flight.map)
+        for lease in self.leases:
+            count += len(lease.in_flight.map)
+        return count
+
+    def room(self, want: int) -> int:
+        """How many of ``want`` messages this subscription may take now."""
+        budget = self.budget
+        used = budget.used if len(budget.subscriptions) > 1 else self.in_flight_count
+        return max(min(want, budget.limit - used), 0)
+
+    # ------------------------------------------------------------------ take
+    def take(self, count: int, now_ns: int) -> list[Piece]:
+        """Up to ``count`` messages (within the budget), now in flight here; as chunk slices."""
+        lease = self.lease
+        if lease is not None and lease.sealed:
+            return []
+        count = self.room(count)
+        if count <= 0:
+            return []
+        pieces = self.channel.take(count, self, now_ns)
+        if not pieces:
+            return pieces
+        if self.sample_rate:
+            pieces = self.channel.sample(pieces, self.sample_rate)
+        add = (lease.in_flight if lease is not None else self.in_flight).add
+        deadline = now_ns + (lease.timeout_ns if lease is not None else self.msg_timeout_ns)
+        taken = 0
+        for ids, frames, positions in pieces:
+            add(ids, frames, positions, deadline, now_ns)
+            taken += len(ids)
+        self.message_count += taken
+        return pieces
+
+    # ---------------------------------------------------------------- settle
+    def finish(self, ids: list[bytes]) -> list[tuple[bytes, str]]:
+        """FIN every id; returns ``(id, reason)`` for those this subscription does not hold."""
+        channel = self.channel
+        if channel.e2e is not None:
+            return self._finish_timed(ids)
+        pop = self.in_flight.map.pop
+        missing = [msg_id for msg_id in ids if pop(msg_id, None) is None]
+        if missing and self.leases:
+            missing = [msg_id for msg_id in missing if not self._finish_leased(msg_id)]
+        self.finish_count += len(ids) - len(missing)
+        if channel.failed:
+            channel.forget(ids)
+        if missing:
+            return [(msg_id, self._reason(msg_id)) for msg_id in missing]
+        return []
+
+    def _finish_leased(self, msg_id: bytes) -> bool:
+        for lease in self.leases:
+            if lease.in_flight.finish(msg_id):
+                return True
+        return False
+
+    def _finish_timed(self, ids: list[bytes]) -> list[tuple[bytes, str]]:
+        """FIN that also records publish-to-FIN latency (only with e2e percentiles on)."""
+        channel = self.channel
+        published = []
+        missing = []
+        for msg_id in ids:
+            delivery = self.in_flight.map.pop(msg_id, None)
+            if delivery is None:
+                delivery = self._pop_leased(msg_id)
+            if delivery is None:
+                missing.append((msg_id, self._reason(msg_id)))
+                continue
+            published.append(message.frame_timestamp(delivery.frame(msg_id)))
+        self.finish_count += len(published)
+        channel.e2e.add_many(published, channel.clock())
+        if channel.failed:
+            channel.forget(ids)
+        return missing
+
+    def _pop_leased(self, msg_id: bytes):
+        for lease in self.leases:
+            delivery = lease.in_flight.map.pop(msg_id, None)
+            if delivery is not None:
+                return delivery
+        return None
+
+    def _take_item(self, msg_id: bytes):
+        item = self.in_flight.take(msg_id)
+        if item is None:
+            for lease in self.leases:
+                item = lease.in_flight.take(msg_id)
+                if item is not None:
+                    break
+        return item
+
+    def requeue(self, msg_id: bytes, delay_ns: int, now_ns: int, *, count_attempt: bool = True) -> str | None:
+        """Give a message back, at once or after ``delay_ns``; returns why not, or None.
+
+        NSQ's REQ counts the delivery as an attempt and a failure; AMQP's
+        ``released`` counts neither (``count_attempt=False``).
+        """
+        item = self._take_item(msg_id)
+        if item is None:
+            return self._reason(msg_id)
+        self.channel.requeue(item, delay_ns, now_ns, count_attempt=count_attempt)
+        self.requeue_count += 1
+        return None
+
+    def requeue_many(self, ids: list[bytes], now_ns: int, *, count_attempt: bool) -> int:
+        """Requeue at once, so that the first id is delivered first again; returns how many."""
+        items = [item for item in map(self._take_item, ids) if item is not None]
+        self.channel.requeue_many(items, now_ns, count_attempt=count_attempt)
+        self.requeue_count += len(items)
+        return len(items)
+
+    def touch(self, msg_id: bytes, now_ns: int) -> str | None:
+        """Reset a message's timeout; returns why not, or None."""
+        if self.in_flight.touch(msg_id, now_ns, self.msg_timeout_ns, self.max_msg_timeout_ns):
+            return None
+        for lease in self.leases:
+            if lease.in_flight.touch(msg_id, now_ns, lease.timeout_ns, self.max_msg_timeout_ns):
+                return None
+        return self._reason(msg_id)
+
+    def reject(self, ids: list[bytes]) -> int:
+        """Refuse messages for good: they go to the dead-letter topic; returns how many."""
+        rejected = 0
+        for msg_id in ids:
+            item = self._take_item(msg_id)
+            if item is not None:
+                self.channel.reject(item)
+                rejected += 1
+        return rejected
+
+    def failures(self, ids: list[bytes]) -> list[int] | None:
+        """Failed deliveries of each message (AMQP's delivery-count); None when none has any."""
+        failed = self.channel.failed
+        if not failed:
+            return None
+        return [failed.get(msg_id, 0) for msg_id in ids]
+
+    def forget_in_flight(self, ids: list[bytes]) -> None:
+        """Finish messages that were delivered at most once (pre-settled AMQP deliveries)."""
+        pop = self.in_flight.map.pop
+        for msg_id in ids:
+            pop(msg_id, None)
+        self.finish_count += len(ids)
+        if self.channel.failed:
+            self.channel.forget(ids)
+
+    def _reason(self, msg_id: bytes) -> str:
+        return NOT_OWNED if self.channel.holds_elsewhere(msg_id, self) else NOT_IN_FLIGHT
+
+    # ---------------------------------------------------------------- leases
+    def open_lease(self, name: str, now_ns: int) -> tuple[Lease, int, bool, list[bytes]]:
+        """``LEASE name``: returns the lease, its count, whether it was reopened, and frames to resend."""
+        channel = self.channel
+        if self.lease is not None:
+            channel.leases.seal(self.lease)
+            self.lease = None
+        lease, resend = channel.leases.open(name, self, now_ns, self.msg_timeout_ns)
+        self.lease = lease
+        reopened = lease.sealed
+        if resend:
+            self.message_count += len(resend)
+        return lease, len(lease.in_flight), reopened, [frame for frame, _ in resend]
+
+    def finish_lease(self, name: str) -> int:
+        """``LFIN``: finish every message of a lease, from whichever connection; returns how many."""
+        channel = self.channel
+        _, items = channel.leases.settle(name)
+        if items and channel.failed:
+            channel.forget([message.frame_id(frame) for frame, _ in items])
+        self.finish_count += len(items)
+        return len(items)
+
+    def touch_lease(self, name: str, now_ns: int) -> int:
+        """``LTOUCH``: a fresh timeout for every message of a lease; returns how many."""
+        lease = self.channel.leases.get(name)
+        if lease is None:
+            return 0
+        lease.renew(now_ns)
+        return len(lease.in_flight)
+
+    def requeue_lease(self, name: str, delay_ns: int, now_ns: int) -> int:
+        """``LREQ``: give every message of a lease back; returns how many."""
+        channel = self.channel
+        _, items = channel.leases.settle(name)
+        for item in items:
+            channel.requeue(item, delay_ns, now_ns)
+        self.requeue_count += len(items)
+        return len(items)
+
+    def close_lease(self) -> None:
+        """``LEASE`` alone: deliveries are no longer tagged."""
+        if self.lease is not None:
+            self.channel.leases.seal(self.lease)
+            self.lease = None
+
+    # ------------------------------------------------------------- lifetime
+    def close(self) -> None:
+        """Leave the channel: unfinished messages go back to the head of the queue, in order."""
+        if self.closed:
+            return
+        self.closed = True
+        if self in self.budget.subscriptions:
+            self.budget.subscriptions.remove(self)
+        self.channel.unsubscribe(self)
+
+
+def keep_sample(pieces: list, rate: int) -> tuple[list, list]:
+    """Split pieces into the ``rate`` percent kept and the rest (dropped for the channel, as nsqd)."""
+    kept, dropped = [], []
+    for ids, frames, positions in pieces:
+        keep = [i for i in range(len(ids)) if random.randrange(100) < rate]
+        if len(keep) == len(ids):
+            kept.append((ids, frames, positions))
+            continue
+        chosen = set(keep)
+        drop = [i for i in range(len(ids)) if i not in chosen]
+        if keep:
+            kept.append(_select(ids, frames, positions, keep))
+        dropped.append(_select(ids, frames, positions, drop))
+    return kept, dropped
+
+
+def _select(ids, frames, positions, indexes):
+    return ([ids[i] for i in indexes], [frames[i] for i in indexes],
+            None if positions is None else tuple(positions[i] for i in indexes))

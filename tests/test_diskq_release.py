@@ -1,0 +1,151 @@
+"""Reading does not release: a keeper's records survive a restart or a crash, the rest do not come back."""
+
+import trio
+
+from nsqd.diskq import DiskQueue
+from nsqd.diskq.records import SEGMENT_HEADER_SIZE
+
+
+def payloads(count, start=0):
+    return [b"%06d" % n + b"x" * 94 for n in range(start, start + count)]
+
+
+def drain(queue):
+    out = []
+    while chunk := queue.read_many(7):
+        out.extend(chunk)
+    return out
+
+
+class Keeper:
+    """The owner's side: it holds some read records, by position, with optional notes."""
+
+    def __init__(self):
+        self.held: dict[int, object] = {}
+
+    def __call__(self):
+        return [(p, p, note) for p, note in sorted(self.held.items())], len(self.held)
+
+
+def test_kept_records_come_back_after_close_and_finished_ones_do_not(tmp_path):
+    queue = DiskQueue("q", tmp_path, max_bytes_per_file=SEGMENT_HEADER_SIZE + 3 * 108)
+    keeper = queue.keeper = Keeper()
+    queue.put_many(payloads(10))
+    records, positions = queue.read_positioned(6)
+    assert records == payloads(6)
+    keeper.held = {positions[1]: None, positions[4]: {"attempts": 3}}  # the other four read ones finished
+    queue.close()
+    assert len(list(tmp_path.glob("*.dat"))) == 4  # segment 0 still holds a kept record
+
+    queue = DiskQueue("q", tmp_path, max_bytes_per_file=SEGMENT_HEADER_SIZE + 3 * 108)
+    assert queue.depth == 2 + 4
+    assert queue.recovered_kept == ((positions[4], positions[4], {"attempts": 3}),)
+    again, again_positions = queue.read_positioned(100)
+    assert again == [payloads(10)[1], payloads(10)[4]] + payloads(4, start=6)
+    assert again_positions[:2] == [positions[1], positions[4]]
+    assert queue.depth == 0
+    queue.close()
+    assert len(list(tmp_path.glob("*.dat"))) == 1  # nothing kept: everything before the read position went
+
+
+async def test_a_crash_after_a_checkpoint_loses_no_kept_record(tmp_path):
+    queue = DiskQueue("q", tmp_path, sync_every=1_000_000, sync_timeout=60)
+    keeper = queue.keeper = Keeper()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(queue.run)
+        queue.put_many(payloads(20))
+        _, positions = queue.read_positioned(15)
+        keeper.held = {p: None for p in positions[10:]}  # ten finished, five still held
+        queue.request_checkpoint()
+        await queue.wait_durable()
+        with trio.fail_after(5):
+            while queue.statistics().syncs < 1:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    queue._shut()  # no close: as after a SIGKILL
+    queue = DiskQueue("q", tmp_path, sync_every=1_000_000, sync_timeout=60)
+    assert drain(queue) == payloads(5, start=10) + payloads(5, start=15)
+    queue.close()
+
+
+def test_a_kept_record_reopened_and_kept_again_survives_a_second_restart(tmp_path):
+    queue = DiskQueue("q", tmp_path)
+    keeper = queue.keeper = Keeper()
+    queue.put_many(payloads(5))
+    _, positions = queue.read_positioned(5)
+    keeper.held = {positions[2]: None}
+    queue.close()
+    for _ in range(2):
+        queue = DiskQueue("q", tmp_path)
+        keeper = queue.keeper = Keeper()
+        records, again = queue.read_positioned(5)
+        assert records == [payloads(5)[2]] and again == [positions[2]]
+        keeper.held = {positions[2]: None}
+        queue.close()
+    queue = DiskQueue("q", tmp_path)
+    assert drain(queue) == [payloads(5)[2]]
+    queue.close()
+
+
+def test_while_reading_kept_records_a_checkpoint_keeps_the_unread_ones(tmp_path):
+    queue = DiskQueue("q", tmp_path)
+    keeper = queue.keeper = Keeper()
+    queue.put_many(payloads(10))
+    _, positions = queue.read_positioned(10)
+    keeper.held = {positions[i]: None for i in (1, 5, 8)}
+    queue.close()
+    queue = DiskQueue("q", tmp_path)  # no keeper yet: only the first kept one is read, then a stop
+    assert queue.read_many(1) == [payloads(10)[1]]
+    queue.close()
+    queue = DiskQueue("q", tmp_path)
+    assert drain(queue) == [payloads(10)[5], payloads(10)[8]]
+    queue.close()
+
+
+def test_held_records_stay_until_the_keeper_lets_them_go(tmp_path):
+    queue = DiskQueue("q", tmp_path)
+    keeper = queue.keeper = Keeper()
+    held = queue.put_held(payloads(3))
+    keeper.held = {held[0]: {"lease": "a"}}
+    queue.close()
+    queue = DiskQueue("q", tmp_path)
+    assert queue.recovered_kept == ((held[0], held[0], {"lease": "a"}),)
+    assert drain(queue) == payloads(1)
+    queue.close()
+
+
+def test_put_held_can_hold_only_the_head_of_a_batch(tmp_path):
+    queue = DiskQueue("q", tmp_path)
+    positions = queue.put_held(payloads(5), hold=2)
+    assert queue.depth == 3
+    records, read = queue.read_positioned(10)
+    assert records == payloads(5)[2:] and read == positions[2:]
+    queue.close()
+
+
+def test_undo_takes_a_batch_back_even_across_segments(tmp_path):
+    queue = DiskQueue("q", tmp_path, max_bytes_per_file=SEGMENT_HEADER_SIZE + 3 * 108)
+    queue.put_many(payloads(2))
+    mark = queue.mark()
+    queue.put_many(payloads(7, start=2))  # spills into two more segments
+    assert len(list(tmp_path.glob("*.dat"))) == 3
+    queue.undo(mark)
+    assert queue.depth == 2 and len(list(tmp_path.glob("*.dat"))) == 1
+    assert queue.read_many(10) == payloads(2)
+    held_mark = queue.mark()
+    queue.put_held(payloads(2, start=200))  # moves the read position; undo moves it back
+    queue.undo(held_mark)
+    queue.put(payloads(1, start=100)[0])
+    assert queue.read_many(10) == payloads(1, start=100)
+    queue.close()
+    queue = DiskQueue("q", tmp_path, max_bytes_per_file=SEGMENT_HEADER_SIZE + 3 * 108)
+    assert drain(queue) == []
+    queue.close()
+
+
+def test_read_at_reads_any_record_without_moving(tmp_path):
+    queue = DiskQueue("q", tmp_path, max_bytes_per_file=SEGMENT_HEADER_SIZE + 3 * 108)
+    positions = queue.put_positioned(payloads(5))
+    assert queue.read_at([positions[4], positions[0], positions[0] + 1]) == [payloads(5)[4], payloads(5)[0], None]
+    assert queue.depth == 5 and drain(queue) == payloads(5)
+    queue.close()
