@@ -7,8 +7,11 @@ role) when one process cannot keep up.
 
 Modes (``--mode``):
 
-* ``pub``      writers send synchronous MPUBs (``--batch`` x ``--size`` bytes)
-               and wait for ``OK``, for ``--duration`` seconds;
+* ``pub``      writers send synchronous MPUBs (``--batch`` x ``--size`` bytes;
+               ``--batch 1`` sends single PUBs) and wait for ``OK``, for
+               ``--duration`` seconds (a writer process sends on all its
+               connections, then reads all their OKs: ``--writers 100`` is
+               100 publishers waiting for their confirmations at once);
 * ``sub``      readers on one channel with ``RDY --rdy`` FIN every message,
                until ``--count`` messages or ``--duration``;
 * ``both``     writers and readers at once (own topic);
@@ -307,6 +310,8 @@ def pub_worker(spec: dict, start, results) -> None:
         if spec["body"] == "random":  # distinct bodies, no repeat within a compressor's window
             payloads = [mpub(topic, [os.urandom(size) for _ in range(batch)])
                         for _ in range(max(4, -(-256 * 1024 // (batch * size))))]
+        elif batch == 1 and not rate:
+            payloads = [command("PUB", topic, body=b"x" * size)]
         else:
             payloads = [mpub(topic, [b"x" * size] * batch)]
         payload, turn = payloads[0], 0
@@ -562,6 +567,7 @@ def run_phase(opts, pid, name, topic, *, writers=0, readers=0, rate=0.0, limit=0
                 raise BenchError(f"{name}: worker failed during setup:\n{payload}")
             ready += 1
         before, busy0, t_start = proc_stats(pid), machine_busy(), time.monotonic()
+        syncs0 = fsyncs(opts)
         start.set()
         pub_ids = {spec["id"] for role, spec in specs if role == "pub"}
         grace = duration + reader_grace + 120 + (opts.timeout if limit else 0)
@@ -573,6 +579,7 @@ def run_phase(opts, pid, name, topic, *, writers=0, readers=0, rate=0.0, limit=0
             if rate and pub_ids and pub_ids <= done.keys():  # latency readers stop once all is read
                 shared_target.value = sum(done[i]["msgs"] for i in pub_ids)
         after, busy1, wall = proc_stats(pid), machine_busy(), time.monotonic() - t_start
+        syncs1 = fsyncs(opts)
     finally:
         for p in procs:
             p.join(5)
@@ -587,7 +594,24 @@ def run_phase(opts, pid, name, topic, *, writers=0, readers=0, rate=0.0, limit=0
           f" + generator {gen / wall:.2f} + other {other / wall:.2f} (cpus, averaged over {wall:.1f} s)",
           flush=True)
     out["machine"] = {"busy": (busy1 - busy0) / wall, "other": other / wall}
+    if syncs0 is not None and syncs1 is not None:
+        out["fsyncs"] = (syncs1 - syncs0) / wall
+        print(f"{name} disk: {out['fsyncs']:.0f} fsyncs/s ({syncs1 - syncs0} over {wall:.1f} s)", flush=True)
     return out
+
+
+def fsyncs(opts) -> int | None:
+    """The daemon's fsync count (``nsqd_disk_fsyncs_total`` on /metrics), when its HTTP address is known."""
+    if not opts.http_address:
+        return None
+    try:
+        with urllib.request.urlopen(f"http://{opts.http_address}/metrics", timeout=10) as response:
+            for line in response.read().decode().splitlines():
+                if line.startswith("nsqd_disk_fsyncs_total "):
+                    return int(float(line.split()[1]))
+    except OSError:
+        return None
+    return None
 
 
 def _rate(role_results, size):
@@ -694,7 +718,7 @@ def run_mode(opts, pid, daemon) -> list[dict]:
 def summary(phases: list[dict]) -> None:
     print("\nsummary")
     print(f"{'phase':<10}{'direction':<10}{'msgs':>10}{'secs':>8}{'msgs/s':>10}{'MB/s':>8}"
-          f"{'nsqd us/msg':>13}{'nsqd rss MB':>13}")
+          f"{'nsqd us/msg':>13}{'nsqd rss MB':>13}{'fsyncs/s':>10}")
     for ph in phases:
         d = ph.get("daemon", {})
         for role, word in (("pub", "publish"), ("sub", "consume")):
@@ -702,7 +726,7 @@ def summary(phases: list[dict]) -> None:
                 f = ph[role]
                 print(f"{ph['phase']:<10}{word:<10}{f['msgs']:>10}{f['secs']:>8.2f}{f['rate']:>10.0f}"
                       f"{f['mbps']:>8.1f}{d.get('us_per_msg', float('nan')):>13.2f}"
-                      f"{d.get('rss', float('nan')):>13.1f}")
+                      f"{d.get('rss', float('nan')):>13.1f}{ph.get('fsyncs', float('nan')):>10.0f}")
         if "latency" in ph:
             ms = ph["latency"]
             print(f"{ph['phase']:<10}latency   p50 {ms['p50']:.2f} ms  p90 {ms['p90']:.2f} ms  "
@@ -796,6 +820,7 @@ def parse_args(argv=None):
     p.add_argument("--keep", action="store_true", help="keep the spawned nsqd's data dir and log")
     p.add_argument("--nsqd-tcp-address", default="127.0.0.1:4150", help="nsqd to load when not spawning")
     p.add_argument("--pid", type=int, default=0, help="pid of that nsqd, for CPU and RSS figures")
+    p.add_argument("--http-address", default="", help="that nsqd's HTTP address, for fsyncs per second")
     p.add_argument("--topic", default="sub_bench")
     p.add_argument("--channel", default="ch")
     p.add_argument("--duration", type=float, default=8.0, help="seconds per phase")
@@ -854,6 +879,7 @@ def main(argv=None) -> int:
         if opts.spawn:
             daemon = Daemon(shlex.split(opts.nsqd_args), opts.keep, tls=opts.tls)
             opts.address, pid = daemon.address, daemon.pid
+            opts.http_address = "%s:%d" % daemon.http_address
             if opts.tls:
                 opts.tls_ca_file = daemon.ca_file
         else:

@@ -727,18 +727,19 @@ class Channel:
         log.info("leases recovered", channel=self.name, topic=self.topic_name, leases=len(leased),
                  messages=restored)
 
-    def persist(self) -> int:
-        """Shutdown: give every message a disk record; returns how many were written.
+    def shutdown_records(self) -> list[bytes]:
+        """Shutdown: the disk records every memory-only message still needs, in delivery order.
 
         Messages that have a record already stay where they are: the final
         checkpoint keeps them, with their notes. In-flight messages go back
-        to the head of the queue first (their delivery counts), then the
-        memory-only part of the queue and of the deferred heap is written,
-        deferred ones with their due times. Leased memory-only messages are
-        written too and noted with their lease, so they come back in it.
+        to the head of the queue first (their delivery counts), then come the
+        memory-only part of the queue and of the deferred heap, deferred ones
+        with their due times. Leased memory-only messages are written here at
+        once, noted with their lease, so they come back in it.
         """
         for sub in list(self.subscriptions.values()):
             self._give_back(sub.in_flight.drain())
+        self._persist_leases()
         failed = self.failed
         records: list[bytes] = []
         head = self._head
@@ -748,10 +749,7 @@ class Channel:
                 records += [message.to_disk(f, failed=failed.get(i, 0)) for i, f in zip(ids[start:], frames[start:])]
         records += [message.to_disk(f, due_ns=due, failed=failed.get(message.frame_id(f), 0))
                     for due, _, f, pos in sorted(self._deferred) if pos is None]
-        written = self._persist_leases()
-        if records:
-            self.backend.put_many(records)
-        return written + len(records)
+        return records
 
     def _persist_leases(self) -> int:
         """Leased memory-only messages get records; the final checkpoint notes them with their lease."""

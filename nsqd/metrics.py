@@ -23,6 +23,9 @@ _TOPIC = (
     ("message_bytes_total", "counter", "Body bytes published to the topic.", "message_bytes"),
     ("paused", "gauge", "1 when the topic is paused.", "paused"),
     ("dropped_total", "counter", "Messages the topic dropped (overflow).", "dropped_count"),
+    ("disk_damaged_records_total", "counter", "Damaged disk records found (torn tails, bad checksums).",
+     "disk_damaged_records"),
+    ("disk_fsyncs_total", "counter", "Fsync rounds of the topic's disk queue.", "disk_syncs"),
 )
 _CHANNEL = (
     ("depth", "gauge", "Messages queued in the channel (memory and disk).", "depth"),
@@ -38,7 +41,14 @@ _CHANNEL = (
     ("rejected_total", "counter", "Messages consumers rejected for good.", "rejected_count"),
     ("dead_lettered_total", "counter", "Messages moved to the dead-letter topic.", "dead_letter_count"),
     ("expired_total", "counter", "Messages dropped for being older than the TTL.", "expired_count"),
+    ("disk_damaged_records_total", "counter", "Damaged disk records found (torn tails, bad checksums).",
+     "disk_damaged_records"),
+    ("disk_fsyncs_total", "counter", "Fsync rounds of the channel's disk queue.", "disk_syncs"),
 )
+
+
+def snapshot_fsyncs(snapshot: stats.NSQDStats) -> int:
+    return sum(t.disk_syncs + sum(c.disk_syncs for c in t.channels) for t in snapshot.topics)
 
 
 def render(snapshot: stats.NSQDStats, clients: int) -> bytes:
@@ -56,6 +66,9 @@ def render(snapshot: stats.NSQDStats, clients: int) -> bytes:
     add("# HELP nsqd_healthy 1 when the daemon reports itself healthy.")
     add("# TYPE nsqd_healthy gauge")
     add(f"nsqd_healthy {int(snapshot.health == 'OK')}")
+    add("# HELP nsqd_disk_fsyncs_total Fsync rounds of every disk queue of the daemon.")
+    add("# TYPE nsqd_disk_fsyncs_total counter")
+    add(f"nsqd_disk_fsyncs_total {snapshot_fsyncs(snapshot)}")
     add("# HELP nsqd_clients Connected TCP clients.")
     add("# TYPE nsqd_clients gauge")
     add(f"nsqd_clients {clients}")

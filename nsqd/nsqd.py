@@ -43,8 +43,10 @@ from .version import NSQD_VERSION
 log = structlog.get_logger("nsqd")
 
 METADATA_FILE = "nsqd.dat"
-#: seconds between retries of a metadata save while the disk fails
+#: seconds between retries of a metadata save (or of a shutdown write) while the disk fails
 STORAGE_RETRY = 1.0
+#: tries at writing what memory holds at shutdown before it is logged as lost
+SHUTDOWN_RETRIES = 3
 
 
 class NSQD:
@@ -574,7 +576,7 @@ class NSQD:
                     services.cancel_scope.cancel()
             finally:
                 with trio.CancelScope(shield=True):
-                    self._persist()
+                    await self._persist()
                 queues.cancel_scope.cancel()
 
     async def _drain(self) -> None:
@@ -593,30 +595,51 @@ class NSQD:
         left = sum(c.in_flight_count for c in self.channels())
         log.info("drained", finished=in_flight - left, still_in_flight=left)
 
-    def _persist(self) -> None:
+    async def _persist(self) -> None:
         """Write everything held in memory to the disk queues, close them, save metadata.
 
-        Each queue on its own: one that cannot be written (a full disk) is
-        logged with what it loses, and the others are still saved.
+        Each queue on its own and in steps, so a full disk costs only what
+        does not fit: what could not be written is tried again a few times
+        (``SHUTDOWN_RETRIES``, ``STORAGE_RETRY`` apart), then logged with how
+        many messages it loses; the rest is saved and the daemon exits 0.
         """
-        saved = 0
-        failures = 0
+        pending: list[tuple[diskq.DiskQueue, list[bytes]]] = []
+        saved = failures = 0
         for topic in list(self.topics.values()):
             for holder in [*topic.channels.values(), topic]:
                 backend = holder.backend
                 if backend is None or backend.closed:
                     continue
                 try:
-                    saved += holder.persist()
+                    pending.append((backend, holder.shutdown_records()))
                 except diskq.DiskQueueError as exc:
-                    failures += 1
-                    log.error("messages held in memory could not be written at shutdown and are lost",
-                              queue=backend.name, error=str(exc))
-                try:
-                    self.close_backend(backend)
-                except diskq.DiskQueueError as exc:
-                    failures += 1
-                    log.error("queue could not be closed cleanly", queue=backend.name, error=str(exc))
+                    log.error("leased messages could not be written at shutdown", queue=backend.name, error=str(exc))
+                    pending.append((backend, []))
+        for attempt in range(SHUTDOWN_RETRIES):
+            left = []
+            for backend, records in pending:
+                written = _write_steps(backend, records)
+                saved += written
+                if written < len(records):
+                    left.append((backend, records[written:]))
+            if not left:
+                break
+            if attempt + 1 < SHUTDOWN_RETRIES:
+                await trio.sleep(STORAGE_RETRY)
+            pending = left
+        else:
+            for backend, records in pending:
+                failures += 1
+                log.error("messages held in memory could not be written at shutdown and are lost",
+                          queue=backend.name, lost=len(records), error=backend.failing)
+        for backend in self.backends():
+            if backend.closed:
+                continue
+            try:
+                self.close_backend(backend)
+            except diskq.DiskQueueError as exc:
+                failures += 1
+                log.error("queue could not be closed cleanly", queue=backend.name, error=str(exc))
         try:
             self.save_metadata()
         except OSError as exc:
@@ -626,6 +649,21 @@ class NSQD:
             log.error("state persisted with failures", messages=saved, failures=failures)
         else:
             log.info("state persisted", messages=saved)
+
+
+def _write_steps(backend: diskq.DiskQueue, records: list[bytes], step: int = 256) -> int:
+    """Write records in steps; returns how many were written before the disk refused."""
+    written = 0
+    while written < len(records):
+        try:
+            backend.put_many(records[written:written + step])
+        except diskq.DiskQueueError:
+            if step > 1:
+                step = 1  # squeeze in what still fits, one by one
+                continue
+            break
+        written += min(step, len(records) - written)
+    return written
 
 
 def _known(document, fields: dict) -> dict:

@@ -105,6 +105,10 @@ class ChannelStats:
     max_messages: int = field(default=0, metadata=OMITEMPTY)
     max_bytes: int = field(default=0, metadata=OMITEMPTY)
     max_attempts: int = field(default=0, metadata=OMITEMPTY)
+    #: damaged records found in the disk queue (torn tails cut on open, bad checksums skipped)
+    disk_damaged_records: int = field(default=0, metadata=OMITEMPTY)
+    #: fsync rounds of the disk queue since start
+    disk_syncs: int = field(default=0, metadata=OMITEMPTY)
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,8 @@ class TopicStats:
     # beyond nsqd: present only when non-zero
     dropped_count: int = field(default=0, metadata=OMITEMPTY)
     max_messages: int = field(default=0, metadata=OMITEMPTY)
+    disk_damaged_records: int = field(default=0, metadata=OMITEMPTY)
+    disk_syncs: int = field(default=0, metadata=OMITEMPTY)
 
 
 @dataclass(frozen=True)
@@ -217,6 +223,7 @@ def _topic_stats(t: Topic, channels: tuple[ChannelStats, ...], now_ns: int) -> T
         e2e_processing_latency=_e2e([c.e2e for c in t.channels.values() if c.e2e is not None], now_ns),
         dropped_count=t.dropped_count,
         max_messages=t.policy.max_messages,
+        **_disk_stats(t.backend),
     )
 
 
@@ -243,7 +250,15 @@ def _channel_stats(c: Channel, topic_filter: str | None, include_clients: bool, 
         max_messages=c.policy.max_messages,
         max_bytes=c.policy.max_bytes,
         max_attempts=c.policy.max_attempts,
+        **_disk_stats(c.backend),
     )
+
+
+def _disk_stats(backend) -> dict:
+    if backend is None or backend.closed:
+        return {}
+    disk = backend.statistics()
+    return {"disk_damaged_records": disk.corrupt_records_skipped, "disk_syncs": disk.syncs}
 
 
 def _e2e(windows, now_ns: int) -> E2eLatency:

@@ -403,11 +403,6 @@ class Topic:
         if self.backend is not None:
             self.backend.empty()
 
-    def persist(self) -> int:
-        """Shutdown: write the memory backlog to disk; returns how many messages."""
-        records = [message.to_disk(f, due_ns=due_ns) for _, frames, due_ns in self._chunks for f in frames]
-        if records:
-            self.backend.put_many(records)
-        self._chunks.clear()
-        self._mem_count = 0
-        return len(records)
+    def shutdown_records(self) -> list[bytes]:
+        """Shutdown: the disk records of the memory backlog."""
+        return [message.to_disk(f, due_ns=due_ns) for _, frames, due_ns in self._chunks for f in frames]

@@ -1,0 +1,153 @@
+"""A full disk never kills the daemon: publishes are refused, nothing confirmed is lost.
+
+The data directory is a real tmpfs of a few MiB, filled by publishing (and a
+ballast file); the daemon is a real subprocess. Mounting needs root: where it
+fails the tests are skipped with that reason.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+
+import pytest
+import trio
+
+from .conftest import HTTPClient
+from .support import Daemon, NSQConnection, free_port
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount_point)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs for the disk-full test: {result.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+def grow(mount_point, size: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,size={size}", str(mount_point)], check=True)
+
+
+async def fill_up(conn: NSQConnection, topic: str, confirmed: list[bytes]) -> bytes:
+    """MPUB until the daemon refuses; returns the error frame."""
+    for batch in range(10_000):
+        bodies = [b"%06d-%04d" % (batch, i) + b"." * 200 for i in range(20)]
+        await conn.command(f"MPUB {topic}", _mpub(bodies))
+        kind, data = await conn.read_non_heartbeat()
+        if kind == 1:
+            return data
+        assert data == b"OK"
+        confirmed += bodies
+    raise AssertionError("the disk never filled up")
+
+
+def _mpub(bodies):
+    from .support import mpub_body
+
+    return mpub_body(bodies)
+
+
+async def test_full_disk_refuses_publishes_keeps_serving_and_recovers(small_fs):
+    http_port = free_port()
+    args = ["--mem-queue-size=0", "--max-bytes-per-file=262144", "--sync-timeout=200ms",
+            f"--http-address=127.0.0.1:{http_port}"]
+    daemon = Daemon(small_fs, *args)
+    await daemon.wait_ready()
+    http = HTTPClient(http_port)
+    try:
+        conn = await NSQConnection.open(daemon.port)
+        await conn.sub("t", "c")
+        confirmed: list[bytes] = []
+        error = await fill_up(conn, "t", confirmed)
+        assert error.startswith(b"E_MPUB_FAILED MPUB failed cannot store") and b"No space left" in error
+        await conn.command("NOP")  # non-fatal: the connection is still usable
+        ping = await http.get("/ping")
+        assert ping.status == 500 and ping.body.startswith(b"NOK - ") and b"No space left" in ping.body
+
+        # a new topic and a new channel while full: refused, and the daemon lives on
+        other = await NSQConnection.open(daemon.port)
+        await other.command("PUB brand-new", b"x")
+        await other.expect_error("E_PUB_FAILED PUB failed")
+        response = await http.post("/channel/create?topic=t&channel=late")
+        assert response.status in (200, 503)
+        response = await http.post("/pub?topic=t", b"y")
+        assert response.status == 503 and response.json()["message"].startswith("PUB_FAILED: ")
+        assert daemon.proc.poll() is None
+
+        # space comes back: publishing works again and /ping says OK once more
+        grow(small_fs, "64m")
+        await conn.mpub("t", [b"after"])
+        confirmed.append(b"after")
+        with trio.fail_after(10):
+            while (await http.get("/ping")).status != 200:
+                await trio.sleep(0.2)
+    finally:
+        if daemon.proc.poll() is None:
+            assert await daemon.stop() == 0
+
+    daemon = Daemon(small_fs, *args)
+    await daemon.wait_ready()
+    conn = await NSQConnection.open(daemon.port)
+    await conn.sub("t", "c")
+    await conn.command("RDY 500")
+    got = set()
+    while len(got) < len(confirmed):
+        msg = await conn.read_message()
+        got.add(msg.body)
+        await conn.command(b"FIN " + msg.id)
+    assert got == set(confirmed)
+    assert await daemon.stop() == 0
+
+
+async def test_shutdown_on_a_full_disk_exits_0_and_keeps_what_it_confirmed(small_fs):
+    args = ["--sync-timeout=200ms", "--max-bytes-per-file=262144"]  # memory queues on: shutdown must write them
+    daemon = Daemon(small_fs, *args)
+    await daemon.wait_ready()
+    conn = await NSQConnection.open(daemon.port)
+    await conn.sub("t", "c")
+    confirmed = [b"%05d" % i + b"m" * 300 for i in range(2000)]
+    for start in range(0, len(confirmed), 200):
+        await conn.mpub("t", confirmed[start:start + 200])  # all in memory: the disk is still empty
+    ballast = small_fs / "ballast"
+    with open(ballast, "wb") as f:  # now fill the disk so the shutdown cannot write everything
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    with open(ballast, "r+b") as f:  # ... but leave room for a part of it
+        f.truncate(max(ballast.stat().st_size - 256 * 1024, 0))
+    daemon.proc.send_signal(signal.SIGTERM)
+    status = await trio.to_thread.run_sync(daemon.proc.wait, 30)
+    stderr = daemon.proc.stderr.read().decode()
+    assert status == 0, stderr
+    assert "could not be written at shutdown" in stderr  # said clearly, not a traceback
+    assert "Traceback" not in stderr
+
+    ballast.unlink()
+    daemon = Daemon(small_fs, *args)
+    await daemon.wait_ready()
+    saved = json.loads((small_fs / "nsqd.dat").read_bytes())
+    assert [t["name"] for t in saved["topics"]] == ["t"]
+    conn = await NSQConnection.open(daemon.port)
+    await conn.sub("t", "c")
+    await conn.command("RDY 500")
+    got = []
+    while True:  # what fitted was written, in order, each once
+        try:
+            msg = await conn.read_message(timeout=1)
+        except trio.TooSlowError:
+            break
+        got.append(msg.body)
+        await conn.command(b"FIN " + msg.id)
+    assert got and got == confirmed[:len(got)]
+    assert await daemon.stop() == 0
