@@ -34,10 +34,10 @@ from .diskq import goimport
 from .channel import Channel, ChannelExiting
 from .client_v2 import ClientV2
 from .guid import GUIDFactory
-from .options import TLS_NOT_REQUIRED, Options, OptionsError, split_host_port
+from .options import TLS_NOT_REQUIRED, Options, OptionsError, join_host_port, split_host_port
 from .names import is_valid_topic_name
 from .topic import QueueFull, Topic
-from .version import NSQD_VERSION
+from .version import NSQD_VERSION, version_string
 
 log = structlog.get_logger("nsqd")
 
@@ -373,6 +373,8 @@ class NSQD:
 
         self._clock0 = trio.current_time()
         self._wall0 = time.time_ns()
+        log.info(version_string())
+        log.info(f"ID: {self.options.node_id}")
         self.data_path.mkdir(parents=True, exist_ok=True)
         async with trio.open_nursery() as queues:
             self._queues_nursery = queues
@@ -385,19 +387,23 @@ class NSQD:
                     tcp_listeners = await trio.open_tcp_listeners(port, host=host or None)
                     self.tcp_addresses = [l.socket.getsockname()[:2] for l in tcp_listeners]
                     await services.start(serve_tcp, self, tcp_listeners)
+                    _listening("TCP", self.tcp_addresses)
                     if self.options.http_address:
                         from .http_api import serve_http
 
                         self.http_addresses = await services.start(serve_http, self, self.options.http_address)
-                    if self.options.amqp_address:
-                        from amqp_gateway import serve_amqp
-
-                        self.amqp_addresses = await services.start(serve_amqp, self, self.options.amqp_address)
-                    if self.options.https_address:
+                        _listening("HTTP", self.http_addresses)
+                    if self.options.https_address and self.tls_context is not None:  # as Go: only with a cert
                         from .http_api import serve_http
 
                         self.https_addresses = await services.start(
                             partial(serve_http, https=True), self, self.options.https_address)
+                        _listening("HTTPS", self.https_addresses)
+                    if self.options.amqp_address:
+                        from amqp_gateway import serve_amqp
+
+                        self.amqp_addresses = await services.start(serve_amqp, self, self.options.amqp_address)
+                        _listening("AMQP", self.amqp_addresses)
                     services.start_soon(queue_scan_loop, self)
                     services.start_soon(self._backlog_mover)
                     services.start_soon(self._metadata_writer)
@@ -406,13 +412,14 @@ class NSQD:
                     for topic in self.topics.values():
                         if topic.channels and topic.backend_depth:
                             self._schedule_backlog(topic)
-                    log.info("nsqd listening", tcp=self.tcp_addresses, http=self.http_addresses,
-                             data_path=str(self.data_path))
                     self.ready.set()
                     task_status.started(self)
                     await self._shutdown.wait()
                     await self._drain()
-                    log.info("shutting down")
+                    for kind, addresses in (("TCP", self.tcp_addresses), ("HTTP", self.http_addresses),
+                                            ("HTTPS", self.https_addresses), ("AMQP", self.amqp_addresses)):
+                        for host, port in addresses:
+                            log.info(f"{kind}: closing {join_host_port(host, port)}")
                     services.cancel_scope.cancel()
             finally:
                 with trio.CancelScope(shield=True):
@@ -455,6 +462,12 @@ class NSQD:
                 self.close_backend(topic.backend)
         self.save_metadata()
         log.info("state persisted", messages=saved)
+
+
+def _listening(kind: str, addresses: list[tuple[str, int]]) -> None:
+    """Go nsqd's ``TCP: listening on 127.0.0.1:4150``, one per bound socket: tools read the ports from it."""
+    for host, port in addresses:
+        log.info(f"{kind}: listening on {join_host_port(host, port)}")
 
 
 def _overrides(values: dict, defaults: dict) -> dict:
@@ -534,6 +547,7 @@ def run(options: Options) -> int:
     try:
         trio.run(main)
     except OSError as exc:
-        log.error("failed to start", error=str(exc))
+        log.critical(f"failed to start nsqd - {exc}")
         return 1
+    log.info("NSQ: bye")
     return 0

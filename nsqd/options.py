@@ -39,6 +39,7 @@ __all__ = [
     "parse_percentiles",
     "parse_tls_min_version",
     "parse_tls_required",
+    "join_host_port",
     "split_host_port",
 ]
 
@@ -215,6 +216,11 @@ def split_host_port(address: str) -> tuple[str, int]:
     ):
         raise OptionsError(f"invalid address {address!r} (want host:port)")
     return host, int(port)
+
+
+def join_host_port(host: str, port: int) -> str:
+    """The inverse of split_host_port, as Go's net.JoinHostPort ("[::1]:4150")."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 # Parsers for option values given as text, by Spec.kind; for list kinds they
