@@ -23,6 +23,7 @@ import os
 import signal
 import time
 from collections import deque
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -384,25 +385,29 @@ class NSQD:
                 async with trio.open_nursery() as services:
                     await services.start(self._run_connections)
                     host, port = split_host_port(self.options.tcp_address)
-                    tcp_listeners = await trio.open_tcp_listeners(port, host=host or None)
+                    with _bind_errors(self.options.tcp_address):
+                        tcp_listeners = await trio.open_tcp_listeners(port, host=host or None)
                     self.tcp_addresses = [l.socket.getsockname()[:2] for l in tcp_listeners]
                     await services.start(serve_tcp, self, tcp_listeners)
                     _listening("TCP", self.tcp_addresses)
                     if self.options.http_address:
                         from .http_api import serve_http
 
-                        self.http_addresses = await services.start(serve_http, self, self.options.http_address)
+                        with _bind_errors(self.options.http_address):
+                            self.http_addresses = await services.start(serve_http, self, self.options.http_address)
                         _listening("HTTP", self.http_addresses)
                     if self.options.https_address and self.tls_context is not None:  # as Go: only with a cert
                         from .http_api import serve_http
 
-                        self.https_addresses = await services.start(
-                            partial(serve_http, https=True), self, self.options.https_address)
+                        with _bind_errors(self.options.https_address):
+                            self.https_addresses = await services.start(
+                                partial(serve_http, https=True), self, self.options.https_address)
                         _listening("HTTPS", self.https_addresses)
                     if self.options.amqp_address:
                         from amqp_gateway import serve_amqp
 
-                        self.amqp_addresses = await services.start(serve_amqp, self, self.options.amqp_address)
+                        with _bind_errors(self.options.amqp_address):
+                            self.amqp_addresses = await services.start(serve_amqp, self, self.options.amqp_address)
                         _listening("AMQP", self.amqp_addresses)
                     services.start_soon(queue_scan_loop, self)
                     services.start_soon(self._backlog_mover)
@@ -462,6 +467,15 @@ class NSQD:
                 self.close_backend(topic.backend)
         self.save_metadata()
         log.info("state persisted", messages=saved)
+
+
+@contextmanager
+def _bind_errors(address: str):
+    """A listener that cannot bind fails as Go's does: ``listen (127.0.0.1:4150) failed - <reason>``."""
+    try:
+        yield
+    except OSError as exc:
+        raise OSError(f"listen ({address}) failed - {exc.strerror or exc}") from exc
 
 
 def _listening(kind: str, addresses: list[tuple[str, int]]) -> None:
@@ -530,8 +544,11 @@ def set_channel_policy(channel: Channel, policy: dict) -> None:
 def run(options: Options) -> int:
     """Run the daemon until SIGINT or SIGTERM; returns the exit status."""
 
+    daemon: list[NSQD] = []
+
     async def main() -> None:
         nsqd = NSQD(options)
+        daemon.append(nsqd)
         async with trio.open_nursery() as nursery:
             async def on_signals() -> None:
                 with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -544,10 +561,22 @@ def run(options: Options) -> int:
             await nsqd.serve()
             nursery.cancel_scope.cancel()
 
+    failures: list[BaseException] = []
     try:
         trio.run(main)
-    except OSError as exc:
-        log.critical(f"failed to start nsqd - {exc}")
+    except* OSError as group:  # a port in use, a data path we cannot write: no traceback, as Go
+        failures = list(_leaves(group))
+    if failures:
+        started = bool(daemon) and daemon[0].ready.is_set()
+        log.critical(str(failures[0]) if started else f"failed to start nsqd - {failures[0]}")
         return 1
     log.info("NSQ: bye")
     return 0
+
+
+def _leaves(error: BaseException):
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield error
