@@ -292,7 +292,10 @@ class Options:
     http_address: str = _opt(
         "str", "127.0.0.1:4151", "<addr>:<port> to listen on for HTTP clients (empty disables)"
     )
-    https_address: str = _opt("str", "", "<addr>:<port> to listen on for HTTPS clients (empty disables)")
+    https_address: str = _opt(
+        "str", "0.0.0.0:4152", "<addr>:<port> to listen on for HTTPS clients, served with --tls-cert and --tls-key "
+        "(empty disables)"
+    )
     broadcast_address: str = _opt(
         "str",
         _hostname,
@@ -468,7 +471,8 @@ class Options:
 
     # AMQP gateway (not in Go nsqd)
     amqp_address: str = _opt(
-        "str", "127.0.0.1:5672", "<addr>:<port> for the AMQP gateway (empty disables)", exposed=False
+        "str", "", "<addr>:<port> for the AMQP gateway, e.g. 127.0.0.1:5672 (empty: off, as Go nsqd opens no such "
+        "port)", exposed=False
     )
 
     def __post_init__(self) -> None:

@@ -45,12 +45,13 @@ def exit_error(capsys, argv):
 
 # --- defaults ----------------------------------------------------------------
 
-# Go nsqd's NewOptions(), except the listen addresses and data path this
-# project chooses, and the extensions (amqp_address, log_format, config).
+# Go nsqd's NewOptions(), except the TCP and HTTP listen addresses and the
+# data path (docs/compatibility.md says why), and the extensions, which are
+# off or keep Go's behaviour by default.
 EXPECTED_DEFAULTS = {
     "tcp_address": "127.0.0.1:4150",
     "http_address": "127.0.0.1:4151",
-    "https_address": "",
+    "https_address": "0.0.0.0:4152",
     "broadcast_tcp_port": 0,
     "broadcast_http_port": 0,
     "http_client_connect_timeout": 2.0,
@@ -115,7 +116,7 @@ EXPECTED_DEFAULTS = {
     "message_ttl": 0.0,
     "declare": [],
     "shutdown_grace": 5.0,
-    "amqp_address": "127.0.0.1:5672",
+    "amqp_address": "",
 }
 
 
@@ -769,7 +770,8 @@ def test_config_exposes_exactly_nsqds_names():
         # nsqd writes string values raw, not as JSON strings
         ({}, "tcp_address", b"127.0.0.1:4150"),
         ({}, "statsd_prefix", b"nsq.%s"),
-        ({}, "https_address", b""),
+        ({}, "https_address", b"0.0.0.0:4152"),
+        ({"https_address": ""}, "https_address", b""),
         ({"broadcast_address": "h\u00e9"}, "broadcast_address", "h\u00e9".encode()),
     ],
 )
