@@ -2,15 +2,21 @@
 
 Consuming, each NSQ message becomes::
 
-    [header: delivery-count = failed deliveries]   only when there were any
+    [header: first-acquirer = (NSQ attempts == 1),
+             delivery-count = failed deliveries]   when either differs from the default
     properties: message-id = the NSQ id (16 hex chars, a string),
                 creation-time = the NSQ timestamp in milliseconds
     data: the NSQ body
 
 built from pre-encoded pieces around the id, timestamp and body. The header's
+first-acquirer (spec 3.2.1) is true on a message's first delivery and false
+on every later one; an absent header means first-acquirer false and
+delivery-count 0, so a redelivery that failed nothing carries none. The
 delivery-count counts failed deliveries (modified with delivery-failed,
 timeouts, NSQ REQ), not NSQ attempts: a ``released`` message is redelivered
-with the same count.
+with the same count. A release does not count an NSQ attempt either, so a
+message released on its first delivery comes again with first-acquirer
+true: the channel keeps no other trace of the earlier acquisition.
 
 Publishing, the NSQ body is the message's data sections joined, or its
 amqp-value when that is binary or a string (UTF-8). Every other section
@@ -33,6 +39,8 @@ _PROPERTIES_HEAD = b"\x00\x53\x73\xc0\x24\x0a\xa1\x10"
 _PROPERTIES_MIDDLE = b"\x40" * 8 + b"\x83"
 _DATA8 = b"\x00\x53\x75\xa0"
 _DATA32 = b"\x00\x53\x75\xb0"
+_FIRST_ATTEMPT = b"\x00\x01"  # the frame's attempts field (offset 16) on a first delivery
+_FIRST_ACQUIRER_HEADER = Header(first_acquirer=True).encode_amqp()
 
 
 def encode_delivery(frame: bytes, failed: int = 0) -> bytes:
@@ -42,6 +50,9 @@ def encode_delivery(frame: bytes, failed: int = 0) -> bytes:
     data_head = _DATA8 + bytes((n,)) if n < 256 else _DATA32 + _U32.pack(n)
     parts = [_PROPERTIES_HEAD, frame[18:34], _PROPERTIES_MIDDLE,
              _TS.pack(_TS.unpack_from(frame, 8)[0] // 1_000_000), data_head, body]
+    first = frame[16:18] == _FIRST_ATTEMPT
     if failed:
-        parts.insert(0, Header(delivery_count=failed).encode_amqp())
+        parts.insert(0, Header(first_acquirer=first, delivery_count=failed).encode_amqp())
+    elif first:
+        parts.insert(0, _FIRST_ACQUIRER_HEADER)
     return b"".join(parts)

@@ -71,7 +71,6 @@ async def serve_amqp(nsqd: NSQD, address: str, *, idle_timeout: float = IDLE_TIM
     async with trio.open_nursery() as nursery:
         for listener in listeners:
             nursery.start_soon(_accept_loop, nsqd, listener, nursery, idle_timeout, authenticate)
-        log.info("AMQP gateway listening", addresses=addresses)
         task_status.started(addresses)
 
 

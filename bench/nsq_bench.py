@@ -475,7 +475,7 @@ class Daemon:
             extra_args = [*self._certificate(), *extra_args]
         cmd = [sys.executable, "-m", "nsqd", "--tcp-address", f"127.0.0.1:{self.address[1]}",
                "--http-address", f"127.0.0.1:{self.http_address[1]}", "--data-path", str(self.tmp / "data"),
-               "--amqp-address=", *extra_args]
+               "--https-address=", "--amqp-address=", *extra_args]
         env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import platform
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -21,11 +20,8 @@ from nsqd.options import (
     format_duration,
     load_config,
 )
-from nsqd.version import __version__
-
-
-def version_string() -> str:
-    return f"nsqd-trio v{__version__} (built w/python {platform.python_version()})"
+from nsqd.lg import GoLineRenderer
+from nsqd.version import version_string
 
 
 _METAVARS = {
@@ -38,6 +34,10 @@ _METAVARS = {
     "tls_required": "BOOL|tcp-https",
     "tls_min_version": "VERSION",
 }
+
+
+# kinds whose flag may stand alone (``--snappy`` means true), as Go's boolean flags
+_OPTIONAL_VALUE = ("bool", "tls_required")
 
 
 def _arg_type(kind: str):
@@ -116,14 +116,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _double_dash(argv: Sequence[str]) -> list[str]:
-    """Go's flag package also takes -name for --name; argparse needs the long form."""
-    out = []
-    for index, arg in enumerate(argv):
+def _go_syntax(argv: Sequence[str]) -> list[str]:
+    """Go's flag syntax in the form argparse reads.
+
+    ``-name`` is ``--name``, and a flag that takes a value takes the next
+    argument whatever it looks like, as Go's flag package does
+    (``-log-prefix -x-`` or ``--tcp-address 127.0.0.1:0``): the pair is
+    passed on as ``--name=value``.
+    """
+    takes_value = {"--" + spec.flag for spec in OPTION_SPECS.values() if spec.kind not in _OPTIONAL_VALUE}
+    out: list[str] = []
+    args = iter(argv)
+    for arg in args:
         if arg == "--":
-            return out + list(argv[index:])
+            return out + [arg, *args]
         if len(arg) > 2 and arg[0] == "-" and arg[1].isalpha():
             arg = "-" + arg
+        if arg in takes_value:
+            value = next(args, None)
+            if value is not None:
+                arg = f"{arg}={value}"
         out.append(arg)
     return out
 
@@ -131,7 +143,7 @@ def _double_dash(argv: Sequence[str]) -> list[str]:
 def parse_args(argv: Sequence[str]) -> Options:
     """Flags beat the config file, which beats the defaults; exits 2 on bad input."""
     parser = build_parser()
-    given = {k: v for k, v in vars(parser.parse_args(_double_dash(argv))).items() if not k.startswith("_deprecated")}
+    given = {k: v for k, v in vars(parser.parse_args(_go_syntax(argv))).items() if not k.startswith("_deprecated")}
     try:
         from_file = load_config(given["config"]) if given.get("config") else {}
         options = Options(**(from_file | given))
@@ -158,29 +170,24 @@ class _NamedLogger(structlog.WriteLogger):
         self.name = name
 
 
-def _with_prefix(prefix: str, render):
-    def processor(logger, method_name, event_dict):
-        return prefix + render(logger, method_name, event_dict)
-
-    return processor
-
-
 def configure_logging(options: Options) -> None:
     """Send structlog output to stderr at the configured level and format.
 
-    Loggers are not cached, so calling this again (after PUT
-    /config/log_level) changes the level of every logger at once.
+    ``console`` writes Go nsqd's lines (``nsqd.lg``), ``json`` one object per
+    line with an ISO 8601 UTC timestamp. Loggers are not cached, so calling
+    this again (after PUT /config/log_level) changes the level of every
+    logger at once.
     """
     processors = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.stdlib.add_logger_name,
-        structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     if options.log_format == "json":
-        processors += [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
+        processors += [structlog.processors.TimeStamper(fmt="iso", utc=True),
+                       structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
     else:
-        processors.append(_with_prefix(options.log_prefix, structlog.dev.ConsoleRenderer(colors=False)))
+        processors += [structlog.processors.format_exc_info, GoLineRenderer(options.log_prefix)]
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(_LOG_LEVELS[options.log_level]),

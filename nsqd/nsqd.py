@@ -23,6 +23,7 @@ import os
 import signal
 import time
 from collections import deque
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -34,11 +35,11 @@ from .channel import Channel, ChannelExiting
 from .diskq import goimport
 from .guid import GUIDFactory
 from .names import is_valid_topic_name
-from .options import TLS_NOT_REQUIRED, Options, OptionsError, split_host_port
+from .options import TLS_NOT_REQUIRED, Options, OptionsError, join_host_port, split_host_port
 from .broker import PublishError, Receipt, SubscribeError
 from .subscription import Budget, Consumer, Subscription
 from .topic import QueueFull, Topic
-from .version import NSQD_VERSION
+from .version import NSQD_VERSION, version_string
 
 log = structlog.get_logger("nsqd")
 
@@ -533,6 +534,8 @@ class NSQD:
 
         self._clock0 = trio.current_time()
         self._wall0 = time.time_ns()
+        log.info(version_string())
+        log.info(f"ID: {self.options.node_id}")
         self.data_path.mkdir(parents=True, exist_ok=True)
         async with trio.open_nursery() as queues:
             self._queues_nursery = queues
@@ -542,22 +545,30 @@ class NSQD:
                 async with trio.open_nursery() as services:
                     await services.start(self._run_connections)
                     host, port = split_host_port(self.options.tcp_address)
-                    tcp_listeners = await trio.open_tcp_listeners(port, host=host or None)
+                    with _bind_errors(self.options.tcp_address):
+                        tcp_listeners = await trio.open_tcp_listeners(port, host=host or None)
                     self.tcp_addresses = [l.socket.getsockname()[:2] for l in tcp_listeners]
                     await services.start(serve_tcp, self, tcp_listeners)
+                    _listening("TCP", self.tcp_addresses)
                     if self.options.http_address:
                         from .http_api import serve_http
 
-                        self.http_addresses = await services.start(serve_http, self, self.options.http_address)
+                        with _bind_errors(self.options.http_address):
+                            self.http_addresses = await services.start(serve_http, self, self.options.http_address)
+                        _listening("HTTP", self.http_addresses)
+                    if self.options.https_address and self.tls_context is not None:  # as Go: only with a cert
+                        from .http_api import serve_http
+
+                        with _bind_errors(self.options.https_address):
+                            self.https_addresses = await services.start(
+                                partial(serve_http, https=True), self, self.options.https_address)
+                        _listening("HTTPS", self.https_addresses)
                     if self.options.amqp_address:
                         from amqp_gateway import serve_amqp
 
-                        self.amqp_addresses = await services.start(serve_amqp, self, self.options.amqp_address)
-                    if self.options.https_address:
-                        from .http_api import serve_http
-
-                        self.https_addresses = await services.start(
-                            partial(serve_http, https=True), self, self.options.https_address)
+                        with _bind_errors(self.options.amqp_address):
+                            self.amqp_addresses = await services.start(serve_amqp, self, self.options.amqp_address)
+                        _listening("AMQP", self.amqp_addresses)
                     services.start_soon(queue_scan_loop, self)
                     services.start_soon(self._backlog_mover)
                     services.start_soon(self._metadata_writer)
@@ -566,13 +577,14 @@ class NSQD:
                     for topic in self.topics.values():
                         if topic.channels and topic.backend_depth:
                             self._schedule_backlog(topic)
-                    log.info("nsqd listening", tcp=self.tcp_addresses, http=self.http_addresses,
-                             data_path=str(self.data_path))
                     self.ready.set()
                     task_status.started(self)
                     await self._shutdown.wait()
                     await self._drain()
-                    log.info("shutting down")
+                    for kind, addresses in (("TCP", self.tcp_addresses), ("HTTP", self.http_addresses),
+                                            ("HTTPS", self.https_addresses), ("AMQP", self.amqp_addresses)):
+                        for host, port in addresses:
+                            log.info(f"{kind}: closing {join_host_port(host, port)}")
                     services.cancel_scope.cancel()
             finally:
                 with trio.CancelScope(shield=True):
@@ -666,6 +678,21 @@ def _write_steps(backend: diskq.DiskQueue, records: list[bytes], step: int = 256
     return written
 
 
+@contextmanager
+def _bind_errors(address: str):
+    """A listener that cannot bind fails as Go's does: ``listen (127.0.0.1:4150) failed - <reason>``."""
+    try:
+        yield
+    except OSError as exc:
+        raise OSError(f"listen ({address}) failed - {exc.strerror or exc}") from exc
+
+
+def _listening(kind: str, addresses: list[tuple[str, int]]) -> None:
+    """Go nsqd's ``TCP: listening on 127.0.0.1:4150``, one per bound socket: tools read the ports from it."""
+    for host, port in addresses:
+        log.info(f"{kind}: listening on {join_host_port(host, port)}")
+
+
 def _known(document, fields: dict) -> dict:
     """The policy fields a saved document holds, with the types they must have."""
     if not isinstance(document, dict):
@@ -676,8 +703,11 @@ def _known(document, fields: dict) -> dict:
 def run(options: Options) -> int:
     """Run the daemon until SIGINT or SIGTERM; returns the exit status."""
 
+    daemon: list[NSQD] = []
+
     async def main() -> None:
         nsqd = NSQD(options)
+        daemon.append(nsqd)
         async with trio.open_nursery() as nursery:
             async def on_signals() -> None:
                 with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -690,9 +720,22 @@ def run(options: Options) -> int:
             await nsqd.serve()
             nursery.cancel_scope.cancel()
 
+    failures: list[BaseException] = []
     try:
         trio.run(main)
-    except OSError as exc:
-        log.error("failed to start", error=str(exc))
+    except* OSError as group:  # a port in use, a data path we cannot write: no traceback, as Go
+        failures = list(_leaves(group))
+    if failures:
+        started = bool(daemon) and daemon[0].ready.is_set()
+        log.critical(str(failures[0]) if started else f"failed to start nsqd - {failures[0]}")
         return 1
+    log.info("NSQ: bye")
     return 0
+
+
+def _leaves(error: BaseException):
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield error

@@ -39,6 +39,7 @@ __all__ = [
     "parse_percentiles",
     "parse_tls_min_version",
     "parse_tls_required",
+    "join_host_port",
     "split_host_port",
 ]
 
@@ -217,6 +218,11 @@ def split_host_port(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def join_host_port(host: str, port: int) -> str:
+    """The inverse of split_host_port, as Go's net.JoinHostPort ("[::1]:4150")."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 # Parsers for option values given as text, by Spec.kind; for list kinds they
 # parse one occurrence of the repeatable flag.
 STRING_PARSERS = {
@@ -286,7 +292,10 @@ class Options:
     http_address: str = _opt(
         "str", "127.0.0.1:4151", "<addr>:<port> to listen on for HTTP clients (empty disables)"
     )
-    https_address: str = _opt("str", "", "<addr>:<port> to listen on for HTTPS clients (empty disables)")
+    https_address: str = _opt(
+        "str", "0.0.0.0:4152", "<addr>:<port> to listen on for HTTPS clients, served with --tls-cert and --tls-key "
+        "(empty disables)"
+    )
     broadcast_address: str = _opt(
         "str",
         _hostname,
@@ -466,7 +475,8 @@ class Options:
 
     # AMQP gateway (not in Go nsqd)
     amqp_address: str = _opt(
-        "str", "127.0.0.1:5672", "<addr>:<port> for the AMQP gateway (empty disables)", exposed=False
+        "str", "", "<addr>:<port> for the AMQP gateway, e.g. 127.0.0.1:5672 (empty: off, as Go nsqd opens no such "
+        "port)", exposed=False
     )
 
     def __post_init__(self) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import gc
 import json
-import platform
 import resource
 import sys
 import time
@@ -26,7 +25,7 @@ from typing import TYPE_CHECKING
 from . import e2e
 from .client_v2 import STATE_INIT
 from .options import format_duration
-from .version import NSQD_VERSION
+from .version import NSQD_VERSION, version_string
 
 if TYPE_CHECKING:
     from .channel import Channel
@@ -377,7 +376,7 @@ def render_text(stats: NSQDStats) -> bytes:
     started = datetime.fromtimestamp(stats.start_time).astimezone()
     stamp = started.isoformat(timespec="seconds").replace("+00:00", "Z")
     lines = [
-        f"nsqd v{stats.version} (built w/python{platform.python_version()})",
+        version_string(),
         f"start_time {stamp}",
         f"uptime {format_duration(stats.uptime)}",
         "",

@@ -20,8 +20,8 @@ FRAME_RESPONSE, FRAME_ERROR, FRAME_MESSAGE = 0, 1, 2
 
 
 def make_options(data_path, **overrides) -> Options:
-    fields = dict(tcp_address="127.0.0.1:0", http_address="", amqp_address="", data_path=str(data_path),
-                  shutdown_grace=0.0)
+    fields = dict(tcp_address="127.0.0.1:0", http_address="", https_address="", amqp_address="",
+                  data_path=str(data_path), shutdown_grace=0.0)
     fields.update(overrides)
     return Options(**fields)
 
@@ -166,7 +166,8 @@ class Daemon:
     def __init__(self, data_path, *args):
         self.port = free_port()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "nsqd", f"--tcp-address=127.0.0.1:{self.port}", "--http-address=", "--amqp-address=",
+            [sys.executable, "-m", "nsqd", f"--tcp-address=127.0.0.1:{self.port}", "--http-address=", "--https-address=",
+             "--amqp-address=",
              "--shutdown-grace=0",
              f"--data-path={data_path}", "--log-level=warn", *args],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -308,6 +308,7 @@ def test_nsq_message_as_amqp_message():
     assert plain.body == [sections.Data(b"payload")]
     failed = sections.decode_message(encode_delivery(frame, failed=2))
     assert failed.header.delivery_count == 2
+    assert failed.header.first_acquirer is False
     big = sections.decode_message(encode_delivery(message.encode_frame(b"0123456789abcdef", b"y" * 1000, 0)))
     assert big.body == [sections.Data(b"y" * 1000)]
 
@@ -321,3 +322,18 @@ def test_nsq_message_as_amqp_message():
 ])
 def test_message_body_tells_a_durable_message(payload, durable):
     assert sections.message_body(payload) == (b"x" if durable or payload[-1:] == b"x" else b"hello", durable)
+
+
+@pytest.mark.parametrize(("attempts", "failed", "header"), [
+    (1, 0, sections.Header(first_acquirer=True)),        # a first delivery says so (spec 3.2.1)
+    (1, 1, sections.Header(first_acquirer=True, delivery_count=1)),
+    (2, 0, None),                                        # absent: first-acquirer false, delivery-count 0
+    (2, 1, sections.Header(first_acquirer=False, delivery_count=1)),
+    (300, 0, None),                                      # attempts 0x012c: only the whole field counts
+    (257, 3, sections.Header(first_acquirer=False, delivery_count=3)),
+])
+def test_first_acquirer_only_on_a_first_delivery(attempts, failed, header):
+    frame = message.encode_frame(b"0123456789abcdef", b"b", 0, attempts=attempts)
+    decoded = sections.decode_message(encode_delivery(frame, failed))
+    assert decoded.header == header
+    assert decoded.body == [sections.Data(b"b")]

@@ -296,6 +296,40 @@ async def test_in_flight_timeout_redelivers_with_a_failed_delivery(tmp_path):
         assert (first[1], second[1]) == (0, 1)
 
 
+async def test_first_acquirer_is_true_on_a_first_delivery_only(tmp_path):
+    """AMQP 3.2.1: first-acquirer true means no link acquired the message before."""
+    async with daemon(tmp_path, msg_timeout=0.3) as nsqd:
+        nsqd.get_topic("fa").get_channel("c")
+        await nsq_publish(nsqd, "fa", [b"requeued"])
+        nsq = await NSQConnection.open(tcp_port(nsqd))
+        await nsq.identify()
+        await nsq.sub("fa", "c")
+        await nsq.command("RDY 1")
+        taken = await nsq.read_message()
+        await nsq.command(b"REQ " + taken.id + b" 0")  # an NSQ consumer had it first
+        await nsq.close()
+        await eventually(lambda: nsqd.topics["fa"].channels["c"].depth == 1)
+        await nsq_publish(nsqd, "fa", [b"fresh"])
+
+        def receive():
+            conn = connect(nsqd)
+            receiver = conn.create_receiver("/topics/fa/channels/c", credit=0)
+            receiver.flow(2)
+            got = wait_messages(conn, receiver, 2)
+            receiver.accept()                            # settles "requeued"; "fresh" is left to time out
+            receiver.flow(1)
+            (again,) = wait_messages(conn, receiver, 1)  # "fresh" after its in-flight timeout
+            receiver.accept()
+            conn.close()
+            return [(bytes(m.body), m.first_acquirer, m.delivery_count) for m in [*got, again]]
+
+        assert await in_thread(receive) == [
+            (b"requeued", False, 1),
+            (b"fresh", True, 0),
+            (b"fresh", False, 1),
+        ]
+
+
 # ------------------------------------------------------------ addresses
 @pytest.mark.parametrize("role, address, options, condition", [
     ("receiver", "/queues/q", None, "amqp:not-found"),

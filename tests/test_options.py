@@ -45,12 +45,13 @@ def exit_error(capsys, argv):
 
 # --- defaults ----------------------------------------------------------------
 
-# Go nsqd's NewOptions(), except the listen addresses and data path this
-# project chooses, and the extensions (amqp_address, log_format, config).
+# Go nsqd's NewOptions(), except the TCP and HTTP listen addresses and the
+# data path (docs/compatibility.md says why), and the extensions, which are
+# off or keep Go's behaviour by default.
 EXPECTED_DEFAULTS = {
     "tcp_address": "127.0.0.1:4150",
     "http_address": "127.0.0.1:4151",
-    "https_address": "",
+    "https_address": "0.0.0.0:4152",
     "broadcast_tcp_port": 0,
     "broadcast_http_port": 0,
     "http_client_connect_timeout": 2.0,
@@ -116,7 +117,7 @@ EXPECTED_DEFAULTS = {
     "message_ttl": 0.0,
     "declare": [],
     "shutdown_grace": 5.0,
-    "amqp_address": "127.0.0.1:5672",
+    "amqp_address": "",
 }
 
 
@@ -279,6 +280,14 @@ def test_go_style_flag_syntax():
     assert options.e2e_processing_latency_percentiles == [1.0, 0.99, 0.5]
 
 
+def test_a_flag_that_takes_a_value_takes_the_next_argument_whatever_it_looks_like():
+    # Go's flag package: "-log-prefix -x-" sets the prefix; argparse alone would see a flag
+    options = cli.parse_args(["-tcp-address", "127.0.0.1:0", "--log-prefix", "-x- ", "-lookupd-tcp-address=a:1",
+                              "--http-address", "", "-broadcast-address", "-host"])
+    assert (options.tcp_address, options.log_prefix, options.lookupd_tcp_addresses) == ("127.0.0.1:0", "-x- ", ["a:1"])
+    assert (options.http_address, options.broadcast_address) == ("", "-host")
+
+
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
@@ -323,9 +332,9 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as exc_info:
         cli.parse_args(["--version"])
     assert exc_info.value.code == 0
-    out = capsys.readouterr().out.strip()
+    out = capsys.readouterr().out
     major, minor = sys.version_info[:2]
-    assert re.fullmatch(rf"nsqd-trio v0\.1\.0 \(built w/python {major}\.{minor}\.\d+\)", out)
+    assert re.fullmatch(rf"nsqd v1\.3\.0 \(built w/nsqd-trio0\.1\.0-python{major}\.{minor}\.\d+\)\n", out)
 
 
 def test_help_states_every_default(capsys):
@@ -763,7 +772,8 @@ def test_config_exposes_exactly_nsqds_names():
         # nsqd writes string values raw, not as JSON strings
         ({}, "tcp_address", b"127.0.0.1:4150"),
         ({}, "statsd_prefix", b"nsq.%s"),
-        ({}, "https_address", b""),
+        ({}, "https_address", b"0.0.0.0:4152"),
+        ({"https_address": ""}, "https_address", b""),
         ({"broadcast_address": "h\u00e9"}, "broadcast_address", "h\u00e9".encode()),
     ],
 )
@@ -803,6 +813,10 @@ def test_json_logging(capsys, restore_structlog):
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+Z", record["timestamp"])
 
 
+GO_LINE = re.compile(r"(?P<prefix>\[\w+\] )(?P<stamp>\d{4}/\d\d/\d\d \d\d:\d\d:\d\d\.\d{6}) "
+                     r"(?P<level>DEBUG|INFO|WARNING|ERROR|FATAL): (?P<message>.*)")
+
+
 def test_console_logging_and_level_change(capsys, restore_structlog):
     log = structlog.get_logger("nsqd.http")
     cli.configure_logging(Options(log_level="warn"))
@@ -812,8 +826,38 @@ def test_console_logging_and_level_change(capsys, restore_structlog):
     log.debug("now shown")
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 2
-    assert lines[0].startswith("[nsqd] ") and "shown" in lines[0] and "nsqd.http" in lines[0]
-    assert lines[1].startswith("[test] ") and "now shown" in lines[1]
+    first, second = (GO_LINE.fullmatch(line) for line in lines)
+    assert (first["prefix"], first["level"], first["message"]) == ("[nsqd] ", "WARNING", "HTTP: shown")
+    assert (second["prefix"], second["level"], second["message"]) == ("[test] ", "DEBUG", "HTTP: now shown")
+
+
+def test_console_lines_are_go_nsqds(capsys, restore_structlog):
+    """Go's log prefix, local date and time with microseconds, Go's level names, then the message."""
+    import datetime
+
+    cli.configure_logging(Options(log_level="debug"))
+    before = datetime.datetime.now().replace(microsecond=0)
+    structlog.get_logger("nsqd").info("TCP: listening on 127.0.0.1:4150")
+    structlog.get_logger("nsqd.lookup").warning("lookupd connection failed", lookupd="a:1", error="timed out")
+    structlog.get_logger("nsqd.tcp").error("TCP: accept failed", attempts=3)
+    structlog.get_logger("amqp_gateway.server").critical("cannot go on", reason="")
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        structlog.get_logger("nsqd.channel").exception("scan failed")
+    lines = capsys.readouterr().err.splitlines()
+    matches = [GO_LINE.fullmatch(line) for line in lines[:5]]
+    assert all(matches), lines
+    assert [(m["level"], m["message"]) for m in matches] == [
+        ("INFO", "TCP: listening on 127.0.0.1:4150"),
+        ("WARNING", 'LOOKUP: lookupd connection failed lookupd=a:1 error="timed out"'),
+        ("ERROR", "TCP: accept failed attempts=3"),   # the component is not repeated
+        ("FATAL", 'AMQP: cannot go on reason=""'),
+        ("ERROR", "CHANNEL: scan failed"),
+    ]
+    stamp = datetime.datetime.strptime(matches[0]["stamp"], "%Y/%m/%d %H:%M:%S.%f")
+    assert before <= stamp <= datetime.datetime.now()  # local time, as Go's log writes it
+    assert lines[5] == "Traceback (most recent call last):" and lines[-1] == "ValueError: boom"
 
 
 def test_main_runs_the_daemon(monkeypatch, restore_structlog):
