@@ -134,10 +134,12 @@ class LinkConsumer:
         sent = 0
         for ids, frames, _ in pieces:
             failures = sub.failures(ids)
-            if failures is None:
+            released = sub.released(ids)
+            if failures is None and released is None:
                 payloads = [encode_delivery(f) for f in frames]
             else:
-                payloads = [encode_delivery(f, failed) for f, failed in zip(frames, failures)]
+                payloads = [encode_delivery(f, failed, back) for f, failed, back in
+                            zip(frames, failures or [0] * len(frames), released or [False] * len(frames))]
             if presettled:
                 sub.forget_in_flight(ids)
             link.send_transfers(ids, payloads, presettled)

@@ -2,7 +2,7 @@
 
 Consuming, each NSQ message becomes::
 
-    [header: first-acquirer = (NSQ attempts == 1),
+    [header: first-acquirer = (NSQ attempts == 1 and never released),
              delivery-count = failed deliveries]   when either differs from the default
     properties: message-id = the NSQ id (16 hex chars, a string),
                 creation-time = the NSQ timestamp in milliseconds
@@ -14,9 +14,9 @@ on every later one; an absent header means first-acquirer false and
 delivery-count 0, so a redelivery that failed nothing carries none. The
 delivery-count counts failed deliveries (modified with delivery-failed,
 timeouts, NSQ REQ), not NSQ attempts: a ``released`` message is redelivered
-with the same count. A release does not count an NSQ attempt either, so a
-message released on its first delivery comes again with first-acquirer
-true: the channel keeps no other trace of the earlier acquisition.
+with the same count. A release does not count an NSQ attempt either; the
+channel remembers that the message was acquired, so it comes again with
+first-acquirer false.
 
 Publishing, the NSQ body is the message's data sections joined, or its
 amqp-value when that is binary or a string (UTF-8). Every other section
@@ -43,14 +43,14 @@ _FIRST_ATTEMPT = b"\x00\x01"  # the frame's attempts field (offset 16) on a firs
 _FIRST_ACQUIRER_HEADER = Header(first_acquirer=True).encode_amqp()
 
 
-def encode_delivery(frame: bytes, failed: int = 0) -> bytes:
-    """The AMQP message payload for an NSQ message frame."""
+def encode_delivery(frame: bytes, failed: int = 0, released: bool = False) -> bytes:
+    """The AMQP message payload for an NSQ message frame (``released``: it was acquired before)."""
     body = frame[message.FRAME_OVERHEAD:]
     n = len(body)
     data_head = _DATA8 + bytes((n,)) if n < 256 else _DATA32 + _U32.pack(n)
     parts = [_PROPERTIES_HEAD, frame[18:34], _PROPERTIES_MIDDLE,
              _TS.pack(_TS.unpack_from(frame, 8)[0] // 1_000_000), data_head, body]
-    first = frame[16:18] == _FIRST_ATTEMPT
+    first = frame[16:18] == _FIRST_ATTEMPT and not released
     if failed:
         parts.insert(0, Header(first_acquirer=first, delivery_count=failed).encode_amqp())
     elif first:

@@ -131,6 +131,8 @@ class Channel:
         #: failed deliveries (REQ, timeouts, AMQP delivery-failed) by message id, only
         #: for messages that have any; carried to disk in the record's extension
         self.failed: dict[bytes, int] = {}
+        #: messages given back without counting a delivery (AMQP ``released``): acquired before all the same
+        self.released: set[bytes] = set()
         #: disk-backed messages whose attempts or failures changed since their record was written
         self._revised: dict[int, tuple[int, int]] = {}
         self.leases = Leases()
@@ -373,7 +375,7 @@ class Channel:
                 kept.append((ids, frames, positions))
                 continue
             self.expired_count += len(frames) - len(fresh)
-            if self.failed:
+            if self.failed or self.released:
                 kept_ids = {ids[i] for i in fresh}
                 self.forget([i for i in ids if i not in kept_ids])
             if fresh:
@@ -460,7 +462,7 @@ class Channel:
         """nsqd's sample_rate: keep about ``rate`` percent; the rest are dropped for the channel."""
         kept, dropped = keep_sample(pieces, rate)
         for ids, _, _ in dropped:
-            if self.failed:
+            if self.failed or self.released:
                 self.forget(ids)
         return kept
 
@@ -492,6 +494,7 @@ class Channel:
             for item in reversed(items):
                 self.requeue(item, 0, now_ns)
             return
+        self.released.update(message.frame_id(frame) for frame, _ in items)
         self.requeue_count += len(items)
         if items:
             self._push_front(items)
@@ -505,10 +508,12 @@ class Channel:
         self.failed[msg_id] = self.failed.get(msg_id, 0) + 1
 
     def forget(self, ids) -> None:
-        """Finished messages leave the failed-count table (only called when it is not empty)."""
+        """Finished messages leave the failed-count table and the released set (called when either has any)."""
         pop = self.failed.pop
+        discard = self.released.discard
         for msg_id in ids:
             pop(msg_id, None)
+            discard(msg_id)
 
     def reject(self, item: Item) -> None:
         """A consumer refused a message for good: it goes to the dead-letter topic."""
@@ -536,7 +541,7 @@ class Channel:
 
     def _dead_letter(self, frames: list[bytes]) -> None:
         self.dead_letter_count += len(frames)
-        if self.failed:
+        if self.failed or self.released:
             self.forget([message.frame_id(f) for f in frames])
         if self.dead_letter is None:
             self.dropped_count += len(frames)
@@ -553,7 +558,7 @@ class Channel:
             except DiskQueueError as exc:
                 log.error("cannot drop from the channel's disk queue", channel=self.name, error=str(exc))
         self.dropped_count += dropped
-        if self.failed:
+        if self.failed or self.released:
             self.forget([i for ids, _, _ in pieces for i in ids])
 
     def _defer(self, frame: bytes, due_ns: int, pos: int | None) -> None:
@@ -635,6 +640,7 @@ class Channel:
             sub.in_flight.map.clear()
         self.leases.clear()
         self.failed.clear()
+        self.released.clear()
         self._revised.clear()
         if self.backend is not None:
             self.backend.empty()

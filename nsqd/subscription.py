@@ -135,7 +135,7 @@ class Subscription:
         if missing and self.leases:
             missing = [msg_id for msg_id in missing if not self._finish_leased(msg_id)]
         self.finish_count += len(ids) - len(missing)
-        if channel.failed:
+        if channel.failed or channel.released:
             channel.forget(ids)
         if missing:
             return [(msg_id, self._reason(msg_id)) for msg_id in missing]
@@ -162,7 +162,7 @@ class Subscription:
             published.append(message.frame_timestamp(delivery.frame(msg_id)))
         self.finish_count += len(published)
         channel.e2e.add_many(published, channel.clock())
-        if channel.failed:
+        if channel.failed or channel.released:
             channel.forget(ids)
         return missing
 
@@ -228,13 +228,20 @@ class Subscription:
             return None
         return [failed.get(msg_id, 0) for msg_id in ids]
 
+    def released(self, ids: list[bytes]) -> list[bool] | None:
+        """Whether each message was delivered and given back before without counting it; None if none was."""
+        released = self.channel.released
+        if not released:
+            return None
+        return [msg_id in released for msg_id in ids]
+
     def forget_in_flight(self, ids: list[bytes]) -> None:
         """Finish messages that were delivered at most once (pre-settled AMQP deliveries)."""
         pop = self.in_flight.map.pop
         for msg_id in ids:
             pop(msg_id, None)
         self.finish_count += len(ids)
-        if self.channel.failed:
+        if self.channel.failed or self.channel.released:
             self.channel.forget(ids)
 
     def _reason(self, msg_id: bytes) -> str:
@@ -258,7 +265,7 @@ class Subscription:
         """``LFIN``: finish every message of a lease, from whichever connection; returns how many."""
         channel = self.channel
         _, items = channel.leases.settle(name)
-        if items and channel.failed:
+        if items and (channel.failed or channel.released):
             channel.forget([message.frame_id(frame) for frame, _ in items])
         self.finish_count += len(items)
         return len(items)

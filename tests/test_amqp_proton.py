@@ -330,6 +330,30 @@ async def test_first_acquirer_is_true_on_a_first_delivery_only(tmp_path):
         ]
 
 
+async def test_a_released_message_is_no_longer_first_acquired(tmp_path):
+    """A release counts no NSQ attempt, but the message was acquired: first-acquirer false after it."""
+    async with daemon(tmp_path) as nsqd:
+        nsqd.get_topic("rel").get_channel("c")
+        await nsq_publish(nsqd, "rel", [b"once"])
+
+        def receive():
+            conn = connect(nsqd)
+            receiver = conn.create_receiver("/topics/rel/channels/c", credit=0)
+            receiver.flow(1)
+            (first,) = wait_messages(conn, receiver, 1)
+            receiver.release(delivered=False)
+            receiver.flow(1)
+            (again,) = wait_messages(conn, receiver, 1)
+            receiver.accept()
+            pump(conn)
+            conn.close()
+            return [(m.first_acquirer, m.delivery_count) for m in (first, again)]
+
+        assert await in_thread(receive) == [(True, 0), (False, 0)]
+        channel = nsqd.topics["rel"].channels["c"]
+        await eventually(lambda: channel.in_flight_count == 0 and not channel.released)
+
+
 # ------------------------------------------------------------ addresses
 @pytest.mark.parametrize("role, address, options, condition", [
     ("receiver", "/queues/q", None, "amqp:not-found"),
