@@ -781,7 +781,8 @@ class _Notes:
     """
 
     def __init__(self, kept) -> None:
-        noted = sorted((first, last, note) for first, last, note in kept if isinstance(note, dict))
+        noted = sorted(((first, last, note) for first, last, note in kept if isinstance(note, dict)),
+                       key=lambda k: (k[0], k[1]))
         self._single = {first: note for first, last, note in noted if first == last}
         self._ranges = [(first, last, note) for first, last, note in noted if first != last]
         self._starts = [first for first, _, _ in self._ranges]

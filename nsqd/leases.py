@@ -53,6 +53,9 @@ class Leases:
     def __len__(self) -> int:
         return len(self.by_name)
 
+    def __contains__(self, name: object) -> bool:
+        return name in self.by_name
+
     @property
     def in_flight_count(self) -> int:
         return sum(len(lease.in_flight) for lease in self.by_name.values())

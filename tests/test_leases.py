@@ -1,10 +1,11 @@
 """The lease extension: deliveries tagged with a name, settled from any connection."""
 
 import json
+import signal
 
 import trio
 
-from .support import FRAME_RESPONSE, NSQConnection, running_nsqd, tcp_port
+from .support import FRAME_RESPONSE, Daemon, NSQConnection, running_nsqd, tcp_port
 
 
 async def lease_consumer(nsqd, topic="t", channel="c", msg_timeout=60000):
@@ -101,3 +102,54 @@ async def test_lease_commands_need_the_feature(tmp_path):
         conn = await lease_consumer(nsqd)
         await conn.command("LEASE bad/name")
         await conn.expect_error('E_BAD_LEASE LEASE lease name "bad/name" is not valid')
+
+
+async def lease_consumer_at(port, topic="t", channel="c"):
+    conn = await NSQConnection.open(port)
+    resp = await conn.identify(feature_negotiation=True, leases=True, msg_timeout=60000)
+    assert resp["leases"] is True
+    await conn.sub(topic, channel)
+    return conn
+
+
+async def restart_keeps_the_lease(tmp_path, args, stop_signal):
+    daemon = Daemon(tmp_path, *args)
+    await daemon.wait_ready()
+    reader = await lease_consumer_at(daemon.port)
+    await reader.mpub("t", [b"%d" % i for i in range(10)])
+    await lease_command(reader, "LEASE run:7:0")
+    await reader.command("RDY 4")
+    leased = [await reader.read_message() for _ in range(4)]
+    await reader.command("RDY 0")
+    await reader.close()
+    if stop_signal == signal.SIGKILL:
+        await trio.sleep(0.5)  # past a checkpoint (--sync-timeout=100ms)
+    await daemon.stop(stop_signal)
+
+    daemon = Daemon(tmp_path, *args)
+    await daemon.wait_ready()
+    again = await lease_consumer_at(daemon.port)
+    assert await lease_command(again, "LEASE run:7:0") == {"lease": "run:7:0", "count": 4, "reopened": True}
+    replay = [await again.read_message() for _ in range(4)]
+    assert [(m.id, m.body) for m in replay] == [(m.id, m.body) for m in leased]
+    driver = await lease_consumer_at(daemon.port)
+    assert await lease_command(driver, "LFIN run:7:0") == {"lease": "run:7:0", "count": 4}
+    plain = await NSQConnection.open(daemon.port)
+    await plain.sub("t", "c")
+    await plain.command("RDY 20")
+    rest = []
+    with trio.move_on_after(1):
+        while True:
+            msg = await plain.read_message()
+            rest.append(msg.body)
+            await plain.command(b"FIN " + msg.id)
+    assert sorted(rest) == [b"%d" % i for i in range(4, 10)]  # the leased ones are not delivered again
+    assert await daemon.stop() == 0
+
+
+async def test_a_lease_survives_a_graceful_restart(tmp_path):
+    await restart_keeps_the_lease(tmp_path, [], signal.SIGTERM)
+
+
+async def test_a_lease_survives_a_crash_in_durable_mode(tmp_path):
+    await restart_keeps_the_lease(tmp_path, ["--durable", "--sync-timeout=100ms"], signal.SIGKILL)

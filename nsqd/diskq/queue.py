@@ -536,7 +536,7 @@ class DiskQueue:
             depth=max(depth, 0),
             release_segment=-1 if same else release_segment,
             release_position=0 if same else release_offset,
-            kept=tuple(kept) if not same else (),
+            kept=tuple(kept),
             kept_count=kept_count if not same else 0,
         )
 

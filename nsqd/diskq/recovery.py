@@ -68,6 +68,7 @@ class _Recovery:
         kept: tuple[Kept, ...] = ()
         kept_count = 0
         if meta is not None and (read_segment, read_position) == (meta.read_segment, max(meta.read_position, SEGMENT_HEADER_SIZE)):
+            kept = meta.kept  # notes on records ahead of the read position count too (reserved ones)
             wanted = meta.release
             if wanted < (read_segment, read_position):
                 present = [s for s in segments if s >= wanted[0]]
@@ -75,7 +76,7 @@ class _Recovery:
                 release_position = max(wanted[1], SEGMENT_HEADER_SIZE) if release_segment == wanted[0] else SEGMENT_HEADER_SIZE
                 if release_position > self.sizes[release_segment]:
                     release_position = SEGMENT_HEADER_SIZE
-                kept, kept_count = meta.kept, meta.kept_count
+                kept_count = meta.kept_count
         trusted = meta is not None and self._trust_write_side(meta, segments, read_segment, read_position)
         if trusted:
             scan_segment, scan_position, depth = meta.write_segment, meta.write_position, meta.depth
