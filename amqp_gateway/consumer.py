@@ -37,9 +37,10 @@ STALE_SLACK = 1024
 
 
 class LinkConsumer:
-    def __init__(self, link: Link, *, container_id: str, remote_address: str, now_ns: int,
+    def __init__(self, link: Link, channel_name: str, *, container_id: str, remote_address: str, now_ns: int,
                  on_wake: Callable[[], None]) -> None:
         self.link = link
+        self.channel_name = channel_name
         self.sub: Subscription | None = None
         self.presettled = link.sends_settled
         self.on_wake = on_wake
@@ -117,8 +118,7 @@ class LinkConsumer:
             pieces = sub.take(want, now_ns)
             if pieces:
                 sent = self._send(pieces)
-        channel = sub.channel
-        link.available = 0 if channel.draining else channel.depth
+        link.available = sub.available
         if link.drain and link.credit > 0 and sent < want:
             link.complete_drain()  # the channel ran dry: the rest of the credit is used up
             self.echo = False

@@ -89,7 +89,6 @@ class GatewayConnection:
         self.state = STATE_SUBSCRIBED
         self.connect_ts = nsqd.now_ns() // 1_000_000_000
         self.pub_counts: dict[str, int] = {}
-        self.channel = None
         self.authed = False
         self.auth_identity = self.auth_identity_url = ""
         nsqd.add_client(self)
@@ -219,8 +218,8 @@ class GatewayConnection:
         # our answer fixes the settle mode before the consumer reads it
         snd_mode = SND_SETTLED if attach.snd_settle_mode == SND_SETTLED else SND_UNSETTLED
         link.snd_settle_mode = snd_mode
-        consumer = LinkConsumer(link, container_id=self.container_id, remote_address=self.remote_address,
-                                now_ns=now_ns, on_wake=self._wake)
+        consumer = LinkConsumer(link, channel_name, container_id=self.container_id,
+                                remote_address=self.remote_address, now_ns=now_ns, on_wake=self._wake)
         consumer.authed, consumer.auth_identity, consumer.auth_identity_url = (
             self.authed, self.auth_identity, self.auth_identity_url)
         try:
@@ -276,7 +275,7 @@ class GatewayConnection:
         for link, consumer in list(self.consumers.items()):
             if consumer.closing:
                 self._forget(link)
-                link.detach(Error(RESOURCE_DELETED, f"channel {consumer.sub.channel.name} was deleted"))
+                link.detach(Error(RESOURCE_DELETED, f"channel {consumer.channel_name} was deleted"))
             elif link.attached:
                 sent += consumer.fill(now_ns)
         return sent

@@ -116,6 +116,8 @@ class Channel:
         self.exiting = False
         #: shutdown in progress: nothing more is delivered
         self.draining = False
+        #: called whenever in-flight messages are settled (the shutdown drain waits on it)
+        self.on_settled: Callable[[], None] | None = None
         self.subscriptions: dict[int, Subscription] = {}
         self._on_last_consumer_gone = on_last_consumer_gone
         self._chunks: deque[Piece] = deque()
@@ -206,8 +208,14 @@ class Channel:
         if items and not self.exiting:
             self.requeue_count += len(items)
             self._give_back(items)
+        self.settled()
         if not self.subscriptions and self.ephemeral and self._on_last_consumer_gone is not None:
             self._on_last_consumer_gone(self)
+
+    def settled(self) -> None:
+        """In-flight messages were finished, given back or timed out."""
+        if self.on_settled is not None:
+            self.on_settled()
 
     def holds_elsewhere(self, msg_id: bytes, sub: Subscription) -> bool:
         """Whether another subscription or a lease holds ``msg_id`` (FIN's "does not own")."""
@@ -592,6 +600,7 @@ class Channel:
             self._timed_out(items)
         if dirty:
             self._wake(self._mem_count)
+            self.settled()
         return dirty
 
     def _timed_out(self, items: list[Item]) -> None:

@@ -595,15 +595,17 @@ class NSQD:
         """Graceful drain: no new publishes, subscriptions or deliveries; consumers get
         ``--shutdown-grace`` to finish what they hold (everything else is persisted)."""
         self.draining = True
+        settled = trio.lowlevel.ParkingLot()
         for channel in self.channels():
             channel.draining = True
+            channel.on_settled = settled.unpark_all
             for sub in list(channel.subscriptions.values()):
                 sub.consumer.drain()
         in_flight = sum(c.in_flight_count for c in self.channels())
         log.info("draining", in_flight=in_flight, grace=self.options.shutdown_grace)
         with trio.move_on_after(self.options.shutdown_grace):
             while sum(c.in_flight_count for c in self.channels()):
-                await trio.sleep(0.05)
+                await settled.park()  # woken whenever a channel's in-flight messages are settled
         left = sum(c.in_flight_count for c in self.channels())
         log.info("drained", finished=in_flight - left, still_in_flight=left)
 

@@ -95,6 +95,18 @@ class Subscription:
             count += len(lease.in_flight.map)
         return count
 
+    @property
+    def available(self) -> int:
+        """Messages the channel could deliver now (0 while the daemon drains): AMQP's ``available``."""
+        channel = self.channel
+        return 0 if channel.draining else channel.depth
+
+    def statistics(self) -> dict:
+        """This subscription's figures (what /stats shows per client)."""
+        return {"in_flight_count": self.in_flight_count, "message_count": self.message_count,
+                "finish_count": self.finish_count, "requeue_count": self.requeue_count,
+                "timeout_count": self.timeout_count}
+
     def room(self, want: int) -> int:
         """How many of ``want`` messages this subscription may take now."""
         budget = self.budget
@@ -137,6 +149,8 @@ class Subscription:
         self.finish_count += len(ids) - len(missing)
         if channel.failed or channel.released:
             channel.forget(ids)
+        if channel.on_settled is not None:
+            channel.settled()
         if missing:
             return [(msg_id, self._reason(msg_id)) for msg_id in missing]
         return []
@@ -164,6 +178,7 @@ class Subscription:
         channel.e2e.add_many(published, channel.clock())
         if channel.failed or channel.released:
             channel.forget(ids)
+        channel.settled()
         return missing
 
     def _pop_leased(self, msg_id: bytes):
@@ -193,6 +208,7 @@ class Subscription:
             return self._reason(msg_id)
         self.channel.requeue(item, delay_ns, now_ns, count_attempt=count_attempt)
         self.requeue_count += 1
+        self.channel.settled()
         return None
 
     def requeue_many(self, ids: list[bytes], now_ns: int, *, count_attempt: bool) -> int:
@@ -200,6 +216,7 @@ class Subscription:
         items = [item for item in map(self._take_item, ids) if item is not None]
         self.channel.requeue_many(items, now_ns, count_attempt=count_attempt)
         self.requeue_count += len(items)
+        self.channel.settled()
         return len(items)
 
     def touch(self, msg_id: bytes, now_ns: int) -> str | None:
@@ -219,6 +236,7 @@ class Subscription:
             if item is not None:
                 self.channel.reject(item)
                 rejected += 1
+        self.channel.settled()
         return rejected
 
     def failures(self, ids: list[bytes]) -> list[int] | None:
@@ -268,6 +286,7 @@ class Subscription:
         if items and (channel.failed or channel.released):
             channel.forget([message.frame_id(frame) for frame, _ in items])
         self.finish_count += len(items)
+        channel.settled()
         return len(items)
 
     def touch_lease(self, name: str, now_ns: int) -> int:
@@ -285,6 +304,7 @@ class Subscription:
         for item in items:
             channel.requeue(item, delay_ns, now_ns)
         self.requeue_count += len(items)
+        channel.settled()
         return len(items)
 
     def close_lease(self) -> None:
