@@ -284,3 +284,12 @@ def test_memory_bytes_follow_the_frames_in_memory():
         in_memory = [f for i, (_, frames, _) in enumerate(ch._chunks) for f in frames[ch._head if i == 0 else 0:]]
         assert ch.depth_bytes == sum(map(len, in_memory))
         assert ch.depth == len(in_memory)
+
+
+def test_single_publishes_are_coalesced_into_few_chunks():
+    ch = channel(mem_queue_size=1000)
+    for i in range(200):
+        ch.put_chunk(*chunk(1, i))
+    assert len(ch._chunks) == 4  # 64 + 64 + 64 + 8
+    sub, _ = subscribe(ch, rdy=1000)
+    assert ids_of(fill(sub)) == chunk(200)[0]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .naming import fsync_directory
@@ -51,6 +51,7 @@ class Metadata:
 
 
 _INT_FIELDS = ("read_segment", "read_position", "write_segment", "write_position", "depth")
+_FIELDS = (*_INT_FIELDS, "release_segment", "release_position", "kept", "kept_count")
 
 
 def _checksum(fields: dict) -> int:
@@ -59,8 +60,8 @@ def _checksum(fields: dict) -> int:
 
 
 def encode_metadata(meta: Metadata) -> bytes:
-    fields = {"version": METADATA_VERSION, **asdict(meta)}
-    fields["kept"] = [list(k) if k[2] is not None else [k[0], k[1]] for k in meta.kept]
+    fields = {"version": METADATA_VERSION, **{name: getattr(meta, name) for name in _FIELDS}}
+    fields["kept"] = [[first, last] if note is None else [first, last, note] for first, last, note in meta.kept]
     return (json.dumps({**fields, "checksum": _checksum(fields)}, sort_keys=True) + "\n").encode("ascii")
 
 

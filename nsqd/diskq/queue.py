@@ -464,7 +464,7 @@ class DiskQueue:
             self._last_checkpoint = trio.current_time()
         plan = self._plan(checkpoint)
         try:
-            save_error = await trio.to_thread.run_sync(sync.execute, plan, self._files, self._gate)
+            await trio.to_thread.run_sync(sync.execute, plan, self._files, self._gate)
         except OSError as exc:
             self._writer.directory_changed |= plan.sync_directory
             if plan.metadata is not None:
@@ -473,18 +473,21 @@ class DiskQueue:
             return
         if plan.generation == self._gate.generation:
             self._writer.close_retired(plan.retired)
-            if plan.metadata is not None:
-                self._oldest_segment = max(self._oldest_segment, min(plan.metadata.release[0], self._writer.segment))
         self._durable_count = max(self._durable_count, target)
         self._syncs += 1
-        if save_error is not None:
-            self._metadata_dirty = True
-            self._last_error = f"disk queue {self.name!r}: cannot save metadata: {save_error}"
-            self._log.error("diskq_metadata_save_failed", error=str(save_error))
-        elif self.failing is not None:
+        if self.failing is not None:
             self._log.info("diskq_write_recovered", after=self.failing)
             self.failing = None
         commit.finish(None)
+        if plan.metadata is None:
+            return
+        save_error = await trio.to_thread.run_sync(sync.checkpoint, plan, self._files, self._gate)
+        if save_error is not None:
+            self._metadata_dirty = True
+            self.failing = self._last_error = f"disk queue {self.name!r}: cannot save metadata: {save_error}"
+            self._log.error("diskq_metadata_save_failed", error=str(save_error))
+        elif plan.generation == self._gate.generation:
+            self._oldest_segment = max(self._oldest_segment, min(plan.metadata.release[0], self._writer.segment))
 
     def _plan(self, checkpoint: bool) -> sync.SyncPlan:
         writer = self._writer

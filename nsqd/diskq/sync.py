@@ -38,21 +38,26 @@ class SyncPlan:
     """Fully read segments, removed once ``metadata`` (which no longer points at them) is saved."""
 
 
-def execute(plan: SyncPlan, files: QueueFiles, gate: SyncGate) -> OSError | None:
-    """Make the plan durable. Does nothing if its descriptors were closed.
+def execute(plan: SyncPlan, files: QueueFiles, gate: SyncGate) -> None:
+    """Make the plan's data durable; raises OSError. Does nothing if its descriptors were closed."""
+    with gate.lock:
+        if plan.generation != gate.generation:
+            return
+        for fd in plan.fds:
+            os.fdatasync(fd)
+        if plan.sync_directory:
+            fsync_directory(files.directory)
 
-    Raises OSError if the data could not be synced. A metadata save that
-    fails is returned instead: the data is durable all the same (metadata is
-    only a hint), and the caller retries the save later.
+
+def checkpoint(plan: SyncPlan, files: QueueFiles, gate: SyncGate) -> OSError | None:
+    """Save the plan's metadata and release segments, after :func:`execute`; returns the save's error.
+
+    A separate step, so the waiters of the data's fsync do not wait for it:
+    their records are durable all the same (metadata is only a hint), and a
+    failed save is retried later.
     """
     with gate.lock:
         if plan.generation != gate.generation:
-            return None
-        for fd in plan.fds:
-            os.fdatasync(fd)
-        if plan.metadata is None:
-            if plan.sync_directory:
-                fsync_directory(files.directory)
             return None
         return save_and_release(files, plan.metadata, plan.consumed)
 
