@@ -5,6 +5,7 @@ import time
 
 import trio
 
+from .conftest import HTTPClient
 from .support import Daemon, NSQConnection, running_nsqd, tcp_port
 
 
@@ -129,3 +130,38 @@ async def test_sigterm_drains_in_flight_within_the_grace_period(tmp_path):
         await conn.read_message()
         raise AssertionError("a finished message came back")
     assert await daemon.stop() == 0
+
+
+async def test_deferred_messages_on_disk_count_as_deferred_not_depth(tmp_path):
+    async with running_nsqd(tmp_path, mem_queue_size=5) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.sub("t", "c")
+        for i in range(12):  # past the 5 the deferred heap keeps in memory: 7 go to disk with their due time
+            await conn.dpub("t", 60_000, b"later-%d" % i)
+        await conn.mpub("t", [b"now"])
+        channel = nsqd.topics["t"].channels["c"]
+        assert (channel.deferred_count, channel.depth) == (12, 1)
+
+
+async def test_damaged_records_found_on_start_are_counted_in_stats(tmp_path):
+    async with running_nsqd(tmp_path, mem_queue_size=0) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.sub("t", "c")
+        await conn.mpub("t", [b"%04d" % i * 10 for i in range(20)])
+    segment = next(tmp_path.glob("t%3Ac.diskq.000000.dat"))
+    data = bytearray(segment.read_bytes())
+    data[16 + 8 + 50] ^= 0xFF  # a bit flip inside the first record's payload
+    segment.write_bytes(bytes(data))
+    async with running_nsqd(tmp_path, http_address="127.0.0.1:0") as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.sub("t", "c")
+        await conn.command("RDY 50")
+        got = [await conn.read_message() for _ in range(19)]
+        assert [m.body for m in got] == [b"%04d" % i * 10 for i in range(1, 20)]
+        http = HTTPClient(nsqd.http_addresses[0][1])
+        stats = (await http.get("/stats?format=json")).json()
+        (topic,) = stats["topics"]
+        (channel,) = topic["channels"]
+        assert channel["disk_damaged_records"] == 1
+        metrics = (await http.get("/metrics")).body.decode()
+        assert 'nsqd_channel_disk_damaged_records_total{topic="t",channel="c"} 1' in metrics
