@@ -10,8 +10,18 @@ pump leaves the write to the active writer (which refills before it stops),
 the reader waits for it to finish before reading more, so a client that does
 not read back-pressures its own publishing and never grows our buffers.
 
-A client that sends nothing for two heartbeat intervals, or does not take our
-writes within one, is disconnected (nsqd's read and write deadlines).
+Reads are paced: the protocol parses and executes at most
+``STEP_COMMANDS`` commands per step and the reader yields (a Trio
+checkpoint) between steps, and the compressed and TLS streams expand one
+bounded step per receive, so no read, however much it expands, holds the
+event loop for long.
+
+Deadlines, as nsqd's: a whole command, line and body, must arrive within two
+heartbeat intervals of the previous one completing (the clock does not
+restart on every byte, so a body trickled in a byte at a time is cut off and
+its buffer freed); with heartbeats disabled an idle client may wait forever,
+but a started command still has ``--client-timeout``. A client that does not
+take our writes within one heartbeat interval is disconnected.
 """
 
 from __future__ import annotations
@@ -37,8 +47,25 @@ log = structlog.get_logger("nsqd.tcp")
 RECEIVE_SIZE = 256 * 1024
 #: time a new connection has to send the protocol magic
 MAGIC_TIMEOUT = 10.0
+#: after a fatal error frame, the longest we wait for the client to hang up first
+LINGER = 1.0
 _BAD_PROTOCOL = message.encode_error(b"E_BAD_PROTOCOL")
 _OK = message.encode_response(b"OK")
+
+
+async def hang_up(stream: trio.SocketStream, linger: float = LINGER) -> None:
+    """Stop writing, then drop what the client still sends until it hangs up (at most ``linger``).
+
+    Closing a socket with unread input makes the kernel send a reset, which
+    can destroy the error frame just written before the client reads it.
+    """
+    with trio.move_on_after(linger):
+        try:
+            await stream.send_eof()
+            while await stream.receive_some(RECEIVE_SIZE):
+                pass
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
 
 
 async def serve_tcp(nsqd: NSQD, listeners, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -86,6 +113,7 @@ async def _serve(nsqd: NSQD, stream: trio.SocketStream, remote: str) -> None:
     if magic[:4] != MAGIC_V2:
         log.warning("bad protocol magic", client=remote, magic=magic[:4])
         await stream.send_all(_BAD_PROTOCOL)
+        await hang_up(stream)
         return
     client = ClientV2(nsqd.new_client_id(), remote, nsqd.options, nsqd.now_ns())
     connection = Connection(nsqd, stream, client)
@@ -94,6 +122,8 @@ async def _serve(nsqd: NSQD, stream: trio.SocketStream, remote: str) -> None:
         await connection.run(magic[4:])
     finally:
         nsqd.remove_client(client)
+    if connection.protocol.closed:  # a fatal error frame was written: let the client read it
+        await hang_up(stream)
 
 
 async def _receive_exactly(stream: trio.SocketStream, n: int) -> bytes | None:
@@ -138,32 +168,53 @@ class Connection:
                     nursery.cancel_scope.cancel()
         finally:
             self.client.on_wake = _noop
+            self.protocol.parser.clear()
             log.info("client gone", client=self.client.remote_address, id=self.client.id)
 
     async def _read_loop(self, data: bytes) -> None:
         client = self.client
         protocol = self.protocol
+        parser = protocol.parser
         receive = self.stream.receive_some
+        last_command = trio.current_time()
         while True:
             if data:
+                parsed = parser.parsed
                 protocol.receive_data(data, self.nsqd.now_ns())
-                await self._flush(wait=True)
-                while protocol.pending and not protocol.closed:
-                    await self._perform(protocol.pending.pop(0))
-                    if not protocol.pending:
-                        protocol.resume(self.nsqd.now_ns())
+                while True:
                     await self._flush(wait=True)
+                    while protocol.pending and not protocol.closed:
+                        await self._perform(protocol.pending.pop(0))
+                        if not protocol.pending:
+                            protocol.resume(self.nsqd.now_ns())
+                        await self._flush(wait=True)
+                    if not protocol.more:
+                        break
+                    await trio.lowlevel.checkpoint()
+                    protocol.step(self.nsqd.now_ns())
                 if protocol.closed:
                     return
+                if parser.parsed != parsed:
+                    last_command = trio.current_time()
                 receive = self.stream.receive_some
-            hb = client.heartbeat_interval_ns
-            with trio.move_on_after(2 * hb / 1e9 if hb > 0 else math.inf) as scope:
+            with trio.move_on_at(last_command + self._command_time()) as scope:
                 data = await receive(RECEIVE_SIZE)
             if scope.cancelled_caught:
-                log.warning("client missed heartbeats", client=client.remote_address)
+                if parser.buffered:
+                    log.warning("command not received in time", client=client.remote_address,
+                                buffered=parser.buffered)
+                else:
+                    log.warning("client missed heartbeats", client=client.remote_address)
                 return
             if not data:
                 return
+
+    def _command_time(self) -> float:
+        """Seconds a whole command has, from the end of the previous one (nsqd's read deadline)."""
+        hb = self.client.heartbeat_interval_ns
+        if hb > 0:
+            return 2 * hb / 1e9
+        return self.nsqd.options.client_timeout if self.protocol.parser.buffered else math.inf
 
     async def _pump(self) -> None:
         client = self.client

@@ -10,16 +10,28 @@ from nsqd.protocol_v2 import FIN_BATCH, MAX_LINE, PARSE_ERROR, V2Parser
 MID = b"0123456789abcdef"
 
 
+def new_parser(max_msg=1024, max_body=4096) -> V2Parser:
+    return V2Parser(max_msg, max_body, max_req_timeout_ms=3_600_000)
+
+
+def drain(parser: V2Parser) -> list:
+    """Every complete command, step after step, as the I/O layer takes them."""
+    commands = parser.commands()
+    while parser.more:
+        commands += parser.commands()
+    return commands
+
+
 def parse_all(data: bytes, max_msg=1024, max_body=4096, step=None):
-    parser = V2Parser(max_msg, max_body)
+    parser = new_parser(max_msg, max_body)
     commands = []
     if step is None:
         parser.receive_data(data)
-        commands += parser.commands()
+        commands += drain(parser)
     else:
         for i in range(0, len(data), step):
             parser.receive_data(data[i:i + step])
-            commands += parser.commands()
+            commands += drain(parser)
     return parser, commands
 
 
@@ -122,7 +134,7 @@ def test_any_split_of_the_stream_gives_the_same_commands(stream, step):
 
 @given(st.binary(max_size=2000))
 def test_garbage_never_raises(data):
-    parser = V2Parser(1024, 4096)
+    parser = new_parser()
     parser.receive_data(data)
-    for name, params, _ in parser.commands():
+    for name, params, _ in drain(parser):
         assert isinstance(name, bytes) and isinstance(params, list)
