@@ -1,7 +1,8 @@
 """The AMQP listener and the per-connection I/O driver (Trio).
 
 Per connection two tasks share one nursery, as in ``nsqd/tcp.py``: the
-reader receives up to 256 KiB, feeds the gateway (engine and daemon calls),
+reader receives up to 256 KiB, feeds the gateway (engine and daemon calls;
+``gateway.STEP_FRAMES`` frames per step, with a checkpoint between steps),
 asks the auth servers when the gateway needs them (a login, an expired
 authorization; it reads nothing more meanwhile) and writes what that
 produced; the pump sleeps until a channel wakes a consuming link, a
@@ -146,14 +147,19 @@ class Driver:
             if not data:
                 return
             gateway.receive_data(data, self.nsqd.now_ns())
-            while gateway.auth_pending:
-                await self._flush(wait=True)  # answers to what came before need not wait for the auth servers
-                state = await auth.query(self.nsqd, gateway.remote_address, gateway.auth_secret)
-                gateway.auth_done(state, self.nsqd.now_ns())
-            if engine.peer_idle_timeout and not self._heartbeats:
-                self._heartbeats = True
-                self._lot.unpark_all()  # the pump learns the peer's heartbeat interval
-            await self._flush(wait=True)
+            while True:
+                while gateway.auth_pending:
+                    await self._flush(wait=True)  # answers to what came before need not wait for the auth servers
+                    state = await auth.query(self.nsqd, gateway.remote_address, gateway.auth_secret)
+                    gateway.auth_done(state, self.nsqd.now_ns())
+                if engine.peer_idle_timeout and not self._heartbeats:
+                    self._heartbeats = True
+                    self._lot.unpark_all()  # the pump learns the peer's heartbeat interval
+                await self._flush(wait=True)
+                if not engine.more:
+                    break
+                await trio.lowlevel.checkpoint()
+                gateway.receive_data(b"", self.nsqd.now_ns())
         await self._linger()
 
     async def say_goodbye(self) -> None:
