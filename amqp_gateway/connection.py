@@ -102,7 +102,7 @@ class Connection:
                  sasl_required: bool = False, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
                  channel_max: int = DEFAULT_CHANNEL_MAX, idle_timeout: float | None = None,
                  hostname: str | None = None, properties: dict | None = None,
-                 step_frames: int = 0) -> None:
+                 refuse: Error | None = None, step_frames: int = 0) -> None:
         self.client = client
         self.container_id = container_id
         self.sasl = sasl
@@ -113,6 +113,8 @@ class Connection:
         self.idle_timeout = idle_timeout
         self.hostname = hostname
         self.properties = properties
+        #: server: answer the AMQP header with open and, at once, close with this error (spec 2.4.1)
+        self.refuse = refuse
         #: most frames one :meth:`receive_data` handles (0: every complete one)
         self.step_frames = step_frames
         #: complete frames are left: call ``receive_data(b"")`` to go on
@@ -212,6 +214,8 @@ class Connection:
         elif protocol == PROTOCOL_AMQP and (self._sasl_done or not self.sasl_required):
             self.output.append(AMQP_HEADER)
             self._stage = _AMQP
+            if self.refuse is not None:
+                self._fail(self.refuse, events)
         else:
             # spec 2.2: answer with the header we do support, then hang up
             self.output.append(SASL_HEADER if self.sasl is not None and not self._sasl_done else AMQP_HEADER)

@@ -21,6 +21,11 @@ write the peer does not take within ``idle_timeout`` drops the connection.
 After a close (ours or the peer's) we linger up to ``LINGER`` seconds for
 the peer to hang up, so our close frame is read before the socket goes.
 
+Connections count against ``--max-connections`` together with the NSQ TCP
+clients. One over the limit is refused the AMQP way: after the header
+exchange (and SASL, which it passes, since nothing follows) it gets open and
+at once close with ``amqp:resource-limit-exceeded``.
+
 Whatever goes wrong in a connection stays in it: it is logged, the
 connection's consumers leave their channels (requeueing their messages in
 order) and the daemon carries on.
@@ -35,15 +40,16 @@ import structlog
 import trio
 
 from nsqd.options import split_host_port
-from nsqd.tcp import peer_address
+from nsqd.tcp import hang_up, peer_address
 from nsqd.write_turn import WriteTurn
 
 from . import auth
-from .errors import CONNECTION_FORCED
-from .gateway import GatewayConnection
+from .connection import Connection
+from .errors import CONNECTION_FORCED, RESOURCE_LIMIT_EXCEEDED
+from .gateway import CONTAINER_ID, GatewayConnection
 from .performatives import Error
 from .publisher import POLL_INTERVAL
-from .sasl import Authenticate
+from .sasl import Authenticate, SaslServer
 
 if TYPE_CHECKING:
     from nsqd.nsqd import NSQD
@@ -77,6 +83,7 @@ async def serve_amqp(nsqd: NSQD, address: str, *, idle_timeout: float = IDLE_TIM
 
 async def _accept_loop(nsqd: NSQD, listener: trio.SocketListener, handlers: trio.Nursery,
                        idle_timeout: float, authenticate: Authenticate) -> None:
+    slots = nsqd.connection_slots
     async with listener:
         while True:
             try:
@@ -85,27 +92,56 @@ async def _accept_loop(nsqd: NSQD, listener: trio.SocketListener, handlers: trio
                 log.error("accept failed", error=str(exc))
                 await trio.sleep(0.1)
                 continue
-            handlers.start_soon(handle_connection, nsqd, stream, idle_timeout, authenticate)
+            if slots.take():
+                handlers.start_soon(handle_connection, nsqd, stream, idle_timeout, authenticate)
+            else:
+                handlers.start_soon(refuse_connection, nsqd, stream)
 
 
 async def handle_connection(nsqd: NSQD, stream: trio.SocketStream, idle_timeout: float,
                             authenticate: Authenticate) -> None:
-    """Serve one connection; whatever goes wrong stays inside this connection."""
+    """Serve one connection (holding a connection slot); whatever goes wrong stays inside it."""
     remote = peer_address(stream)
-    gateway = GatewayConnection(nsqd, remote, authenticate=authenticate, idle_timeout=idle_timeout)
-    driver = Driver(nsqd, stream, gateway, idle_timeout)
     try:
-        await driver.run()
-    except* (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, ConnectionError):
-        log.info("AMQP connection dropped", client=remote)
-    except* Exception as group:
-        log.error("AMQP connection failed", client=remote, exc_info=group)
+        gateway = GatewayConnection(nsqd, remote, authenticate=authenticate, idle_timeout=idle_timeout)
+        driver = Driver(nsqd, stream, gateway, idle_timeout)
+        try:
+            await driver.run()
+        except* (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, ConnectionError):
+            log.info("AMQP connection dropped", client=remote)
+        except* Exception as group:
+            log.error("AMQP connection failed", client=remote, exc_info=group)
+        finally:
+            gateway.connection_lost()
+            with trio.CancelScope(shield=True):
+                with trio.move_on_after(1):
+                    await driver.say_goodbye()
+                    await stream.aclose()
     finally:
-        gateway.connection_lost()
-        with trio.CancelScope(shield=True):
-            with trio.move_on_after(1):
-                await driver.say_goodbye()
-                await stream.aclose()
+        nsqd.connection_slots.give_back()
+
+
+async def refuse_connection(nsqd: NSQD, stream: trio.SocketStream) -> None:
+    """A client over ``--max-connections``: open and close with ``amqp:resource-limit-exceeded``."""
+    slots = nsqd.connection_slots
+    log.warning("AMQP connection refused: too many connections", client=peer_address(stream), limit=slots.limit)
+    engine = Connection(client=False, container_id=CONTAINER_ID, sasl=SaslServer(_anyone),
+                        refuse=Error(RESOURCE_LIMIT_EXCEEDED, f"max connections ({slots.limit}) reached"))
+    async with slots.refusal(stream) as linger:
+        if not linger:  # too many refusals at once: no time for the exchange
+            return
+        while not engine.finished:
+            data = await stream.receive_some(RECEIVE_SIZE)
+            if not data:
+                return
+            engine.receive_data(data)
+            await stream.send_all(engine.data_to_send())
+        await hang_up(stream, linger)
+
+
+def _anyone(username: str, password: str) -> bool:
+    """A refused connection's login: anyone passes, since only the refusal follows."""
+    return True
 
 
 class Driver:

@@ -36,6 +36,7 @@ from .client_v2 import ClientV2
 from .guid import GUIDFactory
 from .options import TLS_NOT_REQUIRED, Options, OptionsError, split_host_port
 from .names import is_valid_topic_name
+from .tcp import ConnectionSlots
 from .topic import QueueFull, Topic
 from .version import NSQD_VERSION
 
@@ -60,6 +61,7 @@ class NSQD:
         self.amqp_addresses: list[tuple[str, int]] = []
         self.https_addresses: list[tuple[str, int]] = []
         self.connections_nursery: trio.Nursery | None = None
+        self.connection_slots = ConnectionSlots(options.max_connections)
         self.health = "OK"
         #: bumped whenever a topic or channel appears or goes (the scan loop refreshes)
         self.channels_version = 0

@@ -22,12 +22,16 @@ restart on every byte, so a body trickled in a byte at a time is cut off and
 its buffer freed); with heartbeats disabled an idle client may wait forever,
 but a started command still has ``--client-timeout``. A client that does not
 take our writes within one heartbeat interval is disconnected.
+
+Connections count against ``--max-connections`` (shared with the AMQP
+gateway); a client over it gets ``E_TOO_MANY_CONNECTIONS`` and is closed.
 """
 
 from __future__ import annotations
 
 import math
 import ssl
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 import structlog
@@ -49,8 +53,51 @@ RECEIVE_SIZE = 256 * 1024
 MAGIC_TIMEOUT = 10.0
 #: after a fatal error frame, the longest we wait for the client to hang up first
 LINGER = 1.0
+#: refused connections lingering at once; past this, they are closed without waiting
+MAX_REFUSING = 64
 _BAD_PROTOCOL = message.encode_error(b"E_BAD_PROTOCOL")
 _OK = message.encode_response(b"OK")
+
+
+class ConnectionSlots:
+    """The ``--max-connections`` budget, shared by NSQ TCP and AMQP clients (0: no limit).
+
+    A connection takes a slot when it is accepted and gives it back when it
+    ends; one that finds none is refused with its protocol's own error. At
+    most ``MAX_REFUSING`` refused connections linger for the client to read
+    that error at once, so a flood of them cannot use up the descriptors kept
+    free for HTTP; the others are closed right after the error is written.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.refusing = 0
+
+    def take(self) -> bool:
+        if self.limit and self.used >= self.limit:
+            return False
+        self.used += 1
+        return True
+
+    def give_back(self) -> None:
+        self.used -= 1
+
+    @asynccontextmanager
+    async def refusal(self, stream: trio.abc.Stream):
+        """Around a refused connection's farewell; yields how long it may linger, closes the stream."""
+        linger = LINGER if self.refusing < MAX_REFUSING else 0.0
+        self.refusing += 1
+        try:
+            with trio.move_on_after(LINGER + linger):
+                yield linger
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+        finally:
+            self.refusing -= 1
+            with trio.CancelScope(shield=True):
+                with trio.move_on_after(1):
+                    await stream.aclose()
 
 
 async def hang_up(stream: trio.SocketStream, linger: float = LINGER) -> None:
@@ -77,6 +124,7 @@ async def serve_tcp(nsqd: NSQD, listeners, *, task_status=trio.TASK_STATUS_IGNOR
 
 
 async def _accept_loop(nsqd: NSQD, listener: trio.SocketListener, handlers: trio.Nursery) -> None:
+    slots = nsqd.connection_slots
     async with listener:
         while True:
             try:
@@ -85,11 +133,14 @@ async def _accept_loop(nsqd: NSQD, listener: trio.SocketListener, handlers: trio
                 log.error("accept failed", error=str(exc))
                 await trio.sleep(0.1)
                 continue
-            handlers.start_soon(handle_connection, nsqd, stream)
+            if slots.take():
+                handlers.start_soon(handle_connection, nsqd, stream)
+            else:
+                handlers.start_soon(refuse_connection, nsqd, stream)
 
 
 async def handle_connection(nsqd: NSQD, stream: trio.SocketStream) -> None:
-    """Serve one connection; whatever goes wrong stays inside this connection."""
+    """Serve one connection (holding a connection slot); whatever goes wrong stays inside it."""
     remote = peer_address(stream)
     try:
         await _serve(nsqd, stream, remote)
@@ -99,9 +150,20 @@ async def handle_connection(nsqd: NSQD, stream: trio.SocketStream) -> None:
     except* Exception as group:
         log.error("connection failed", client=remote, exc_info=group)
     finally:
+        nsqd.connection_slots.give_back()
         with trio.CancelScope(shield=True):
             with trio.move_on_after(1):
                 await stream.aclose()
+
+
+async def refuse_connection(nsqd: NSQD, stream: trio.SocketStream) -> None:
+    """A client over ``--max-connections``: ``E_TOO_MANY_CONNECTIONS``, then hang up."""
+    slots = nsqd.connection_slots
+    log.warning("connection refused: too many connections", client=peer_address(stream), limit=slots.limit)
+    async with slots.refusal(stream) as linger:
+        await stream.send_all(message.encode_error(
+            f"E_TOO_MANY_CONNECTIONS max connections ({slots.limit}) reached".encode()))
+        await hang_up(stream, linger)
 
 
 async def _serve(nsqd: NSQD, stream: trio.SocketStream, remote: str) -> None:
