@@ -34,8 +34,8 @@ from .diskq import goimport
 from .channel import Channel, ChannelExiting
 from .client_v2 import ClientV2
 from .guid import GUIDFactory
-from .options import TLS_NOT_REQUIRED, Options, OptionsError, split_host_port
-from .names import is_valid_topic_name
+from .options import OVERFLOW_POLICIES, TLS_NOT_REQUIRED, Options, OptionsError, split_host_port
+from .names import is_valid_channel_name, is_valid_topic_name
 from .tcp import ConnectionSlots
 from .topic import QueueFull, Topic
 from .version import NSQD_VERSION
@@ -305,13 +305,18 @@ class NSQD:
             os.close(dir_fd)
 
     def load_metadata(self) -> None:
+        """Create the topics and channels of ``nsqd.dat``; one that is not what we (or Go nsqd)
+        write stops start-up with a :class:`MetadataError` saying what is wrong and what to do."""
         path = self.data_path / METADATA_FILE
         if not path.exists():
             return
         try:
-            data = json.loads(path.read_bytes())
+            data = _checked_metadata(path.read_bytes())
         except ValueError as exc:
-            raise RuntimeError(f"failed to parse metadata {path}: {exc}") from None
+            raise MetadataError(
+                f"{path} is not valid nsqd metadata ({exc}): move it aside to start without it (topics and "
+                f"channels come back on first use, their queued messages stay on disk) or restore it from a "
+                f"backup") from None
         self.guid = GUIDFactory(self.options.node_id, floor=int(data.get("last_message_id", 0)) + 1)
         self._loading = True
         try:
@@ -378,8 +383,8 @@ class NSQD:
         self.data_path.mkdir(parents=True, exist_ok=True)
         async with trio.open_nursery() as queues:
             self._queues_nursery = queues
+            self.load_metadata()  # outside the try: a file we cannot read must not be overwritten on the way out
             try:
-                self.load_metadata()
                 self._declare()
                 async with trio.open_nursery() as services:
                     await services.start(self._run_connections)
@@ -457,6 +462,54 @@ class NSQD:
                 self.close_backend(topic.backend)
         self.save_metadata()
         log.info("state persisted", messages=saved)
+
+
+class MetadataError(Exception):
+    """``nsqd.dat`` cannot be used; the message is the whole story, for one log line."""
+
+
+_POLICY_KEYS = {"max_messages", "channel_max_messages", "channel_max_bytes", "max_bytes", "max_attempts",
+                "message_ttl_ms"}
+
+
+def _checked_metadata(raw: bytes) -> dict:
+    """``nsqd.dat`` decoded, its shape checked; ValueError says what is wrong, briefly."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    last_id = data.get("last_message_id", 0)
+    if type(last_id) is not int or last_id < 0:
+        raise ValueError("last_message_id is not a number")
+    topics = data.get("topics") or []
+    if not isinstance(topics, list):
+        raise ValueError("topics is not a list")
+    for t in topics:
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not is_valid_topic_name(t["name"]):
+            raise ValueError(f"bad topic entry {json.dumps(t)[:60]}")
+        channels = t.get("channels") or []
+        if not isinstance(channels, list):
+            raise ValueError(f"channels of topic {t['name']} is not a list")
+        for c in channels:
+            if not isinstance(c, dict) or not isinstance(c.get("name"), str) or not is_valid_channel_name(c["name"]):
+                raise ValueError(f"bad channel entry {json.dumps(c)[:60]} in topic {t['name']}")
+            _check_policy(c.get("policy"), f"channel {t['name']}:{c['name']}")
+        _check_policy(t.get("policy"), f"topic {t['name']}")
+    return data
+
+
+def _check_policy(policy, owner: str) -> None:
+    if policy is None:
+        return
+    if not isinstance(policy, dict):
+        raise ValueError(f"policy of {owner} is not an object")
+    for key, value in policy.items():
+        if key == "overflow" and value in OVERFLOW_POLICIES:
+            continue
+        if key not in _POLICY_KEYS or type(value) is not int or value < 0:
+            raise ValueError(f"policy of {owner} has a bad {key}")
 
 
 def _overrides(values: dict, defaults: dict) -> dict:
@@ -537,5 +590,13 @@ def run(options: Options) -> int:
         trio.run(main)
     except OSError as exc:
         log.error("failed to start", error=str(exc))
+        return 1
+    except BaseExceptionGroup as group:
+        bad_metadata = group.subgroup(MetadataError)
+        if bad_metadata is None:
+            raise
+        while isinstance(bad_metadata, BaseExceptionGroup):
+            bad_metadata = bad_metadata.exceptions[0]
+        log.error("failed to start", error=str(bad_metadata))
         return 1
     return 0
