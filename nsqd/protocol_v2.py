@@ -703,7 +703,7 @@ def build_mpub(body: bytes, guid, now_ns: int, max_msg_size: int, max_body_size:
     append = frames.append
     end = len(body)
     pos = 4
-    last_size = -1
+    last_size = None  # not -1: a size of -1 must be checked too
     header = b""
     for msg_id in ids:
         if pos + 4 > end:

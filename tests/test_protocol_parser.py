@@ -5,7 +5,9 @@ import struct
 import pytest
 from hypothesis import given, strategies as st
 
-from nsqd.protocol_v2 import FIN_BATCH, MAX_LINE, PARSE_ERROR, V2Parser
+from nsqd.protocol_v2 import (
+    FIN_BATCH, MAX_LINE, PARSE_ERROR, STEP_COMMANDS, V2Parser, go_base10, go_int64, go_millis_ns,
+)
 
 MID = b"0123456789abcdef"
 
@@ -138,3 +140,50 @@ def test_garbage_never_raises(data):
     parser.receive_data(data)
     for name, params, _ in drain(parser):
         assert isinstance(name, bytes) and isinstance(params, list)
+
+
+def test_a_call_returns_a_bounded_step_of_commands():
+    parser = new_parser()
+    parser.receive_data(b"NOP\n" * 1000)
+    first = parser.commands()
+    assert len(first) == STEP_COMMANDS and parser.more
+    assert len(first) + len(drain(parser)) == 1000 and not parser.more
+
+
+def test_each_fin_of_a_run_counts_against_the_step():
+    parser = new_parser()
+    parser.receive_data(b"".join(b"FIN %016x\n" % i for i in range(1000)))
+    (name, ids, _), = parser.commands()
+    assert name is FIN_BATCH and len(ids) == STEP_COMMANDS and parser.more
+    assert sum(len(c[1]) for c in drain(parser)) == 1000 - STEP_COMMANDS
+
+
+@pytest.mark.parametrize("line,error", [
+    (b"PUB\n", ["E_INVALID", "PUB insufficient number of parameters"]),
+    (b"MPUB\n", ["E_INVALID", "MPUB insufficient number of parameters"]),
+    (b"DPUB t\n", ["E_INVALID", "DPUB insufficient number of parameters"]),
+    (b"DPUB t 3600001\n", ["E_INVALID", "DPUB timeout 3600001 out of range 0-3600000"]),
+    (b"DPUB t 1x\n", ["E_INVALID", "DPUB could not parse timeout 1x"]),
+    (b"PUB a:b\n", ["E_BAD_TOPIC", 'PUB topic name "a:b" is not valid']),
+    (b"AUTH x\n", ["E_INVALID", "AUTH invalid number of parameters"]),
+])
+def test_a_body_commands_line_is_checked_before_its_body_arrives(line, error):
+    _, cmds = parse_all(line)  # no size, no body: nsqd answers anyway
+    assert cmds == [(PARSE_ERROR, error, None)]
+
+
+@pytest.mark.parametrize("digits,value", [
+    (b"", 0),
+    (b"18446744073709551615", 2**64 - 1),
+    (b"18446744073709551617", 1),
+    (b"9" * 5000, 2**64 - 1),
+    (b"1" + b"0" * 5000, 0),
+])
+def test_numbers_wrap_at_64_bits_as_gos_byte_to_base10(digits, value):
+    assert go_base10(digits, "RDY could not parse count") == value
+
+
+def test_go_int64_and_millisecond_durations_overflow_as_go_does():
+    assert go_int64(2**64 - 1) == -1
+    assert go_millis_ns(2**64 - 1) == -1_000_000
+    assert go_millis_ns(9_223_372_036_855) == -9_223_372_036_854_551_616  # past int64 nanoseconds
