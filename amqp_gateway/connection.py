@@ -121,7 +121,8 @@ class Connection:
         self.more = False
         self._frames = None
         self.output: list[bytes] = []
-        self.reader = FrameReader(max_frame_size)
+        #: frames up to 512 bytes until our open announces more (spec 2.4.1), SASL frames included
+        self.reader = FrameReader(MIN_MAX_FRAME_SIZE)
         self.remote_open: Open | None = None
         self.peer_max_frame_size = MIN_MAX_FRAME_SIZE
         self.peer_channel_max = 0
@@ -288,6 +289,7 @@ class Connection:
 
     def _send_open(self) -> None:
         self.open_sent = True
+        self.reader.max_frame_size = self.max_frame_size
         idle = int(self.idle_timeout * 1000) if self.idle_timeout else None
         self.send_frame(0, Open(self.container_id, self.hostname, self.max_frame_size, self.channel_max, idle,
                                 properties=self.properties).encode_amqp())
