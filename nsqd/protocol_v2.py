@@ -141,9 +141,10 @@ class V2Parser:
                     pos = run.end()
                     continue
             nl = find(b"\n", pos)
+            if (end if nl < 0 else nl) - pos > MAX_LINE:  # however the line was split into reads
+                out.append(self._fail("E_INVALID", f"command line longer than {MAX_LINE} bytes"))
+                break
             if nl < 0:
-                if end - pos > MAX_LINE:
-                    out.append(self._fail("E_INVALID", f"command line longer than {MAX_LINE} bytes"))
                 break
             line = bytes(buf[pos:nl])
             if line.endswith(b"\r"):

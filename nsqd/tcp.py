@@ -63,10 +63,11 @@ class ConnectionSlots:
     """The ``--max-connections`` budget, shared by NSQ TCP and AMQP clients (0: no limit).
 
     A connection takes a slot when it is accepted and gives it back when it
-    ends; one that finds none is refused with its protocol's own error. At
-    most ``MAX_REFUSING`` refused connections linger for the client to read
-    that error at once, so a flood of them cannot use up the descriptors kept
-    free for HTTP; the others are closed right after the error is written.
+    ends; one that finds none is refused with its protocol's own error.
+    Refused connections linger (up to ``LINGER``) for the client to read that
+    error, but at most ``MAX_REFUSING`` of them at once, so a flood cannot use
+    up the descriptors kept free for HTTP; the others are closed right after
+    the error is written.
     """
 
     def __init__(self, limit: int) -> None:

@@ -101,6 +101,12 @@ def test_body_size_limits_fail_before_the_body_arrives(cmd, size, code, text):
     assert parser.commands() == []  # nothing is parsed after a framing error
 
 
+def test_overlong_line_is_an_error_even_when_its_newline_came_in_the_same_read():
+    _, cmds = parse_all(b"NOP\n" + b"X" * (MAX_LINE + 1) + b"\n")
+    assert cmds == [(b"NOP", [b"NOP"], None),
+                    (PARSE_ERROR, ["E_INVALID", f"command line longer than {MAX_LINE} bytes"], None)]
+
+
 def test_overlong_line_is_an_error_not_a_buffer():
     parser, cmds = parse_all(b"X" * (MAX_LINE + 1))
     assert cmds[0][0] is PARSE_ERROR and cmds[0][1][0] == "E_INVALID"
