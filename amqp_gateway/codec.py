@@ -11,7 +11,10 @@ every form.
 Described types whose descriptor is registered (performatives, outcomes,
 message sections: see :mod:`performatives` and :mod:`sections`) decode to
 their classes; any other described value decodes to :class:`Described`.
-Garbage never raises anything but :class:`DecodeError`.
+Garbage never raises anything but :class:`DecodeError`, and values nest at
+most ``MAX_NESTING`` deep (performatives need a handful of levels), so a
+deeply nested value is a decode error up front rather than a Python
+recursion limit hit later, wherever the value is used or encoded again.
 """
 
 from __future__ import annotations
@@ -23,6 +26,13 @@ from typing import Any, Callable
 
 class DecodeError(ValueError):
     """Bytes that are not a valid AMQP encoding (``amqp:decode-error``)."""
+
+
+#: deepest nesting of lists, maps, arrays and described values we decode
+MAX_NESTING = 64
+_TOO_DEEP = f"values nested deeper than {MAX_NESTING}"
+#: how deep the value being decoded is (decoding is synchronous: one counter will do)
+_depth = 0
 
 
 # ---------------------------------------------------------------- wrappers
@@ -435,19 +445,26 @@ def _raw(n: int, wrap) -> Decoder:
 
 
 def _items(buf, pos: int, end: int, count: int) -> list:
+    global _depth
     if end > len(buf):
         raise DecodeError("compound value runs past the end of the buffer")
     if count > end - pos:
         raise DecodeError("compound count larger than its size")
-    items = []
-    append = items.append
-    dec = _DEC
-    for _ in range(count):
-        d = dec[buf[pos]]
-        if d is None:
-            raise DecodeError(f"invalid constructor 0x{buf[pos]:02x}")
-        value, pos = d(buf, pos + 1)
-        append(value)
+    if _depth >= MAX_NESTING:
+        raise DecodeError(_TOO_DEEP)
+    _depth += 1
+    try:
+        items = []
+        append = items.append
+        dec = _DEC
+        for _ in range(count):
+            d = dec[buf[pos]]
+            if d is None:
+                raise DecodeError(f"invalid constructor 0x{buf[pos]:02x}")
+            value, pos = d(buf, pos + 1)
+            append(value)
+    finally:
+        _depth -= 1
     if pos != end:
         raise DecodeError("compound size does not match its items")
     return items
@@ -485,24 +502,31 @@ def _map32(buf, pos):
 
 
 def _array_items(buf, pos: int, end: int, count: int) -> Array:
+    global _depth
     if end > len(buf):
         raise DecodeError("array runs past the end of the buffer")
     if count > end - pos:
         raise DecodeError("array count larger than its size")
-    descriptor = None
-    code = buf[pos]
-    pos += 1
-    if code == DESCRIBED:
-        descriptor, pos = decode_value(buf, pos)
+    if _depth >= MAX_NESTING:
+        raise DecodeError(_TOO_DEEP)
+    _depth += 1
+    try:
+        descriptor = None
         code = buf[pos]
         pos += 1
-    d = _DEC[code]
-    if d is None or code == DESCRIBED:
-        raise DecodeError(f"invalid array element constructor 0x{code:02x}")
-    items = []
-    for _ in range(count):
-        value, pos = d(buf, pos)
-        items.append(value)
+        if code == DESCRIBED:
+            descriptor, pos = decode_value(buf, pos)
+            code = buf[pos]
+            pos += 1
+        d = _DEC[code]
+        if d is None or code == DESCRIBED:
+            raise DecodeError(f"invalid array element constructor 0x{code:02x}")
+        items = []
+        for _ in range(count):
+            value, pos = d(buf, pos)
+            items.append(value)
+    finally:
+        _depth -= 1
     if pos != end:
         raise DecodeError("array size does not match its items")
     return Array(code, items, descriptor)
@@ -521,8 +545,15 @@ def _array32(buf, pos):
 
 
 def _described(buf, pos):
-    descriptor, pos = decode_value(buf, pos)
-    value, pos = decode_value(buf, pos)
+    global _depth
+    if _depth >= MAX_NESTING:
+        raise DecodeError(_TOO_DEEP)
+    _depth += 1
+    try:
+        descriptor, pos = decode_value(buf, pos)
+        value, pos = decode_value(buf, pos)
+    finally:
+        _depth -= 1
     try:
         factory = REGISTRY.get(descriptor)
     except TypeError:  # an unhashable descriptor (a list, a map)
@@ -589,7 +620,7 @@ _SIZE8 = frozenset((0xA0, 0xA1, 0xA3, 0xC0, 0xC1, 0xE0))
 _SIZE32 = frozenset((0xB0, 0xB1, 0xB3, 0xD0, 0xD1, 0xF0))
 
 
-def skip(buf, pos: int) -> int:
+def skip(buf, pos: int, depth: int = 0) -> int:
     """The position after the value at ``pos``, without decoding it."""
     code = buf[pos]
     pos += 1
@@ -601,7 +632,9 @@ def skip(buf, pos: int) -> int:
     elif code in _SIZE32:
         end = pos + 4 + _I.unpack_from(buf, pos)[0]
     elif code == DESCRIBED:
-        return skip(buf, skip(buf, pos))
+        if depth >= MAX_NESTING:
+            raise DecodeError(_TOO_DEEP)
+        return skip(buf, skip(buf, pos, depth + 1), depth + 1)
     else:
         raise DecodeError(f"invalid constructor 0x{code:02x}")
     if end > len(buf):

@@ -23,7 +23,8 @@ from typing import Any
 from . import codec
 from .codec import DecodeError
 from .errors import (
-    DECODE_ERROR, FRAMING_ERROR, ILLEGAL_STATE, NOT_ALLOWED, UNAUTHORIZED_ACCESS, ConnectionFault, SessionFault,
+    DECODE_ERROR, FRAMING_ERROR, ILLEGAL_STATE, NOT_ALLOWED, RESOURCE_LIMIT_EXCEEDED, UNAUTHORIZED_ACCESS,
+    ConnectionFault, SessionFault,
 )
 from .events import ConnectionClosed, ConnectionOpened, SaslLogin, SessionBegun, SessionEnded
 from .framing import (
@@ -39,6 +40,9 @@ from .session import Session
 
 DEFAULT_MAX_FRAME_SIZE = 128 * 1024
 DEFAULT_CHANNEL_MAX = 255
+#: shortest idle-time-out we keep to: a shorter one would have us send empty frames non-stop (spec 2.4.5
+#: lets a peer refuse an idle timeout it cannot support)
+MIN_PEER_IDLE_TIMEOUT_MS = 100
 
 _OPEN, _BEGIN, _ATTACH, _FLOW, _TRANSFER, _DISPOSITION, _DETACH, _END, _CLOSE = range(0x10, 0x19)
 _PERFORMATIVES = {_OPEN: Open, _BEGIN: Begin, _ATTACH: Attach, _FLOW: Flow, _DISPOSITION: Disposition,
@@ -97,7 +101,8 @@ class Connection:
     def __init__(self, *, client: bool, container_id: str, sasl: SaslServer | SaslClient | None = None,
                  sasl_required: bool = False, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
                  channel_max: int = DEFAULT_CHANNEL_MAX, idle_timeout: float | None = None,
-                 hostname: str | None = None, properties: dict | None = None) -> None:
+                 hostname: str | None = None, properties: dict | None = None,
+                 refuse: Error | None = None, step_frames: int = 0) -> None:
         self.client = client
         self.container_id = container_id
         self.sasl = sasl
@@ -108,8 +113,16 @@ class Connection:
         self.idle_timeout = idle_timeout
         self.hostname = hostname
         self.properties = properties
+        #: server: answer the AMQP header with open and, at once, close with this error (spec 2.4.1)
+        self.refuse = refuse
+        #: most frames one :meth:`receive_data` handles (0: every complete one)
+        self.step_frames = step_frames
+        #: complete frames are left: call ``receive_data(b"")`` to go on
+        self.more = False
+        self._frames = None
         self.output: list[bytes] = []
-        self.reader = FrameReader(max_frame_size)
+        #: frames up to 512 bytes until our open announces more (spec 2.4.1), SASL frames included
+        self.reader = FrameReader(MIN_MAX_FRAME_SIZE)
         self.remote_open: Open | None = None
         self.peer_max_frame_size = MIN_MAX_FRAME_SIZE
         self.peer_channel_max = 0
@@ -141,11 +154,20 @@ class Connection:
         self.output.append(FRAME_HEAD.pack(len(body) + 8, 2, TYPE_AMQP, channel) + body)
 
     def receive_data(self, data: bytes) -> list:
+        """Handle what arrived; returns the events. With :attr:`step_frames` set, at most that
+        many frames are handled and :attr:`more` says whether to call again (with ``b""``)."""
         events: list = []
         if self.finished:
             return events
+        frames = self._frames
+        if frames is None or data:
+            if frames is not None:
+                raise RuntimeError("receive_data() with new data while frames are left (see more)")
+            frames = self.reader.feed(data)
+        budget = self.step_frames or -1
+        self._frames = None
         try:
-            for item in self.reader.feed(data):
+            for item in frames:
                 if type(item) is Header:
                     self._on_header(item, events)
                 elif self._stage == _AMQP and item[0] == TYPE_AMQP:
@@ -156,13 +178,20 @@ class Connection:
                     raise ConnectionFault(FRAMING_ERROR, f"unexpected frame of type {item[0]}")
                 if self.finished:
                     break
+                budget -= 1
+                if budget == 0:
+                    self._frames = frames
+                    break
         except ConnectionFault as fault:
             self._fail(fault.error, events)
         except DecodeError as exc:
             self._fail(Error(DECODE_ERROR, str(exc)), events)
-        if not self.finished:
+        if self.finished:
+            self._frames = None
+        else:
             for session in self._remote_sessions.values():
                 session.keep_window_open()
+        self.more = self._frames is not None
         return events
 
     def _fail(self, error: Error, events: list, send: bool = True) -> None:
@@ -186,6 +215,8 @@ class Connection:
         elif protocol == PROTOCOL_AMQP and (self._sasl_done or not self.sasl_required):
             self.output.append(AMQP_HEADER)
             self._stage = _AMQP
+            if self.refuse is not None:
+                self._fail(self.refuse, events)
         else:
             # spec 2.2: answer with the header we do support, then hang up
             self.output.append(SASL_HEADER if self.sasl is not None and not self._sasl_done else AMQP_HEADER)
@@ -258,6 +289,7 @@ class Connection:
 
     def _send_open(self) -> None:
         self.open_sent = True
+        self.reader.max_frame_size = self.max_frame_size
         idle = int(self.idle_timeout * 1000) if self.idle_timeout else None
         self.send_frame(0, Open(self.container_id, self.hostname, self.max_frame_size, self.channel_max, idle,
                                 properties=self.properties).encode_amqp())
@@ -346,6 +378,9 @@ class Connection:
             raise ConnectionFault(ILLEGAL_STATE, "second open")
         self.open_received = True
         self.remote_open = open_
+        if open_.idle_time_out is not None and 0 < open_.idle_time_out < MIN_PEER_IDLE_TIMEOUT_MS:
+            raise ConnectionFault(RESOURCE_LIMIT_EXCEEDED, f"idle-time-out {open_.idle_time_out} ms is below "
+                                                           f"the {MIN_PEER_IDLE_TIMEOUT_MS} ms we support")
         self.peer_max_frame_size = max(open_.max_frame_size, MIN_MAX_FRAME_SIZE)
         self.peer_channel_max = open_.channel_max
         self.peer_idle_timeout = open_.idle_time_out / 1000 if open_.idle_time_out else None

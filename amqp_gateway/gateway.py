@@ -52,6 +52,9 @@ if TYPE_CHECKING:
 log = structlog.get_logger("amqp_gateway")
 
 CONTAINER_ID = "nsqd"
+#: frames the engine handles per step: a read of thousands of tiny frames is worked through in
+#: steps, and the I/O layer yields between them
+STEP_FRAMES = 128
 _OUTCOMES = ("amqp:accepted:list", "amqp:rejected:list", "amqp:released:list", "amqp:modified:list")
 #: events that use the authorizations: attach and publish
 _AUTHORIZED = (ev.LinkAttaching, ev.Transfers)
@@ -66,7 +69,8 @@ class GatewayConnection:
         sasl = SaslServer(None if self.auth_enabled else authenticate, anonymous=not self.auth_enabled)
         self.engine = Connection(client=False, container_id=CONTAINER_ID, sasl=sasl,
                                  sasl_required=self.auth_enabled, idle_timeout=idle_timeout,
-                                 properties={"product": "nsqd-trio", "version": NSQD_VERSION})
+                                 properties={"product": "nsqd-trio", "version": NSQD_VERSION},
+                                 step_frames=STEP_FRAMES)
         #: the SASL PLAIN password: the secret the auth servers are asked about
         self.auth_secret = ""
         self.auth_state: AuthState | None = None

@@ -1,7 +1,8 @@
 """The AMQP listener and the per-connection I/O driver (Trio).
 
 Per connection two tasks share one nursery, as in ``nsqd/tcp.py``: the
-reader receives up to 256 KiB, feeds the gateway (engine and daemon calls),
+reader receives up to 256 KiB, feeds the gateway (engine and daemon calls;
+``gateway.STEP_FRAMES`` frames per step, with a checkpoint between steps),
 asks the auth servers when the gateway needs them (a login, an expired
 authorization; it reads nothing more meanwhile) and writes what that
 produced; the pump sleeps until a channel wakes a consuming link, a
@@ -20,6 +21,11 @@ write the peer does not take within ``idle_timeout`` drops the connection.
 After a close (ours or the peer's) we linger up to ``LINGER`` seconds for
 the peer to hang up, so our close frame is read before the socket goes.
 
+Connections count against ``--max-connections`` together with the NSQ TCP
+clients. One over the limit is refused the AMQP way: after the header
+exchange (and SASL, which it passes, since nothing follows) it gets open and
+at once close with ``amqp:resource-limit-exceeded``.
+
 Whatever goes wrong in a connection stays in it: it is logged, the
 connection's consumers leave their channels (requeueing their messages in
 order) and the daemon carries on.
@@ -35,15 +41,16 @@ import trio
 
 from nsqd.broker import PublishError
 from nsqd.options import split_host_port
-from nsqd.tcp import peer_address
+from nsqd.tcp import hang_up, peer_address
 from nsqd.write_turn import WriteTurn
 
 from . import auth
-from .errors import CONNECTION_FORCED
-from .gateway import GatewayConnection
+from .connection import Connection
+from .errors import CONNECTION_FORCED, RESOURCE_LIMIT_EXCEEDED
+from .gateway import CONTAINER_ID, GatewayConnection
 from .performatives import Error
 from .publisher import POLL_INTERVAL
-from .sasl import Authenticate
+from .sasl import Authenticate, SaslServer
 
 if TYPE_CHECKING:
     from nsqd.nsqd import NSQD
@@ -76,6 +83,7 @@ async def serve_amqp(nsqd: NSQD, address: str, *, idle_timeout: float = IDLE_TIM
 
 async def _accept_loop(nsqd: NSQD, listener: trio.SocketListener, handlers: trio.Nursery,
                        idle_timeout: float, authenticate: Authenticate) -> None:
+    slots = nsqd.connection_slots
     async with listener:
         while True:
             try:
@@ -84,27 +92,56 @@ async def _accept_loop(nsqd: NSQD, listener: trio.SocketListener, handlers: trio
                 log.error("accept failed", error=str(exc))
                 await trio.sleep(0.1)
                 continue
-            handlers.start_soon(handle_connection, nsqd, stream, idle_timeout, authenticate)
+            if slots.take():
+                handlers.start_soon(handle_connection, nsqd, stream, idle_timeout, authenticate)
+            else:
+                handlers.start_soon(refuse_connection, nsqd, stream)
 
 
 async def handle_connection(nsqd: NSQD, stream: trio.SocketStream, idle_timeout: float,
                             authenticate: Authenticate) -> None:
-    """Serve one connection; whatever goes wrong stays inside this connection."""
+    """Serve one connection (holding a connection slot); whatever goes wrong stays inside it."""
     remote = peer_address(stream)
-    gateway = GatewayConnection(nsqd, remote, authenticate=authenticate, idle_timeout=idle_timeout)
-    driver = Driver(nsqd, stream, gateway, idle_timeout)
     try:
-        await driver.run()
-    except* (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, ConnectionError):
-        log.info("AMQP connection dropped", client=remote)
-    except* Exception as group:
-        log.error("AMQP connection failed", client=remote, exc_info=group)
+        gateway = GatewayConnection(nsqd, remote, authenticate=authenticate, idle_timeout=idle_timeout)
+        driver = Driver(nsqd, stream, gateway, idle_timeout)
+        try:
+            await driver.run()
+        except* (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, ConnectionError):
+            log.info("AMQP connection dropped", client=remote)
+        except* Exception as group:
+            log.error("AMQP connection failed", client=remote, exc_info=group)
+        finally:
+            gateway.connection_lost()
+            with trio.CancelScope(shield=True):
+                with trio.move_on_after(1):
+                    await driver.say_goodbye()
+                    await stream.aclose()
     finally:
-        gateway.connection_lost()
-        with trio.CancelScope(shield=True):
-            with trio.move_on_after(1):
-                await driver.say_goodbye()
-                await stream.aclose()
+        nsqd.connection_slots.give_back()
+
+
+async def refuse_connection(nsqd: NSQD, stream: trio.SocketStream) -> None:
+    """A client over ``--max-connections``: open and close with ``amqp:resource-limit-exceeded``."""
+    slots = nsqd.connection_slots
+    log.warning("AMQP connection refused: too many connections", client=peer_address(stream), limit=slots.limit)
+    engine = Connection(client=False, container_id=CONTAINER_ID, sasl=SaslServer(_anyone),
+                        refuse=Error(RESOURCE_LIMIT_EXCEEDED, f"max connections ({slots.limit}) reached"))
+    async with slots.refusal(stream) as linger:
+        if not linger:  # too many refusals at once: no time for the exchange
+            return
+        while not engine.finished:
+            data = await stream.receive_some(RECEIVE_SIZE)
+            if not data:
+                return
+            engine.receive_data(data)
+            await stream.send_all(engine.data_to_send())
+        await hang_up(stream, linger)
+
+
+def _anyone(username: str, password: str) -> bool:
+    """A refused connection's login: anyone passes, since only the refusal follows."""
+    return True
 
 
 class Driver:
@@ -146,16 +183,21 @@ class Driver:
             if not data:
                 return
             gateway.receive_data(data, self.nsqd.now_ns())
-            while gateway.auth_pending or gateway.pending:
-                await self._confirm()
-                if gateway.auth_pending:
-                    await self._flush(wait=True)  # answers to what came before need not wait for the auth servers
-                    state = await auth.query(self.nsqd, gateway.remote_address, gateway.auth_secret)
-                    gateway.auth_done(state, self.nsqd.now_ns())
-            if engine.peer_idle_timeout and not self._heartbeats:
-                self._heartbeats = True
-                self._lot.unpark_all()  # the pump learns the peer's heartbeat interval
-            await self._flush(wait=True)
+            while True:
+                while gateway.auth_pending or gateway.pending:
+                    await self._confirm()
+                    if gateway.auth_pending:
+                        await self._flush(wait=True)  # answers to what came before need not wait for the auth servers
+                        state = await auth.query(self.nsqd, gateway.remote_address, gateway.auth_secret)
+                        gateway.auth_done(state, self.nsqd.now_ns())
+                if engine.peer_idle_timeout and not self._heartbeats:
+                    self._heartbeats = True
+                    self._lot.unpark_all()  # the pump learns the peer's heartbeat interval
+                await self._flush(wait=True)
+                if not engine.more:
+                    break
+                await trio.lowlevel.checkpoint()
+                gateway.receive_data(b"", self.nsqd.now_ns())
         await self._linger()
 
     async def _confirm(self) -> None:

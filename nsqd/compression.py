@@ -2,8 +2,15 @@
 
 Both wrap another Trio stream (the socket, or TLS over it, since TLS comes
 first as in nsqd). Every ``send_all`` is flushed so a frame is never held
-back. Decompression output per call is bounded, so a small compressed input
-cannot expand into unbounded memory.
+back.
+
+Decompression is paced, because a few kilobytes can expand a thousandfold
+(a deflated run of NOPs): one ``receive_some`` returns at most
+``STEP_OUTPUT`` decompressed bytes, the rest of the input waits, still
+compressed, and the next ``receive_some`` is a checkpoint before it expands
+another step. The input held back is at most one read of the transport (and
+one snappy chunk), so neither memory nor the time between checkpoints
+depends on how well the sender's bytes compress.
 """
 
 from __future__ import annotations
@@ -12,9 +19,10 @@ import zlib
 
 import snappy
 import trio
+from crc32c import crc32c
 
-#: most decompressed bytes returned per receive
-MAX_EXPANSION = 1024 * 1024
+#: most decompressed bytes one receive returns
+STEP_OUTPUT = 256 * 1024
 
 
 class DeflateStream(trio.abc.Stream):
@@ -35,16 +43,19 @@ class DeflateStream(trio.abc.Stream):
     async def receive_some(self, max_bytes=None) -> bytes:
         d = self._decompress
         while True:
+            if d.eof:  # the client ended the deflate stream: nothing after it is read (Go: EOF)
+                return b""
             if d.unconsumed_tail:
-                out = d.decompress(d.unconsumed_tail, MAX_EXPANSION)
+                await trio.lowlevel.checkpoint()
+                data = d.unconsumed_tail
             else:
                 data = await self.transport.receive_some(max_bytes)
                 if not data:
                     return b""
-                try:
-                    out = d.decompress(data, MAX_EXPANSION)
-                except zlib.error as exc:
-                    raise trio.BrokenResourceError(f"bad deflate stream: {exc}") from None
+            try:
+                out = d.decompress(data, STEP_OUTPUT)
+            except zlib.error as exc:
+                raise trio.BrokenResourceError(f"bad deflate stream: {exc}") from None
             if out:
                 return out
 
@@ -52,13 +63,28 @@ class DeflateStream(trio.abc.Stream):
         await self.transport.aclose()
 
 
+_STREAM_ID = b"sNaPpY"
+_MAX_BLOCK = 65536  # uncompressed bytes in one chunk (the framing format's limit)
+#: largest chunk we take: a checksum and the worst-case snappy encoding of a full block
+_MAX_CHUNK = 4 + 32 + _MAX_BLOCK + _MAX_BLOCK // 6
+
+
 class SnappyStream(trio.abc.Stream):
-    """The snappy framing format (stream identifier, checksummed chunks)."""
+    """The snappy framing format (stream identifier, checksummed chunks).
+
+    We decode the framing ourselves, one chunk at a time: a chunk may not
+    claim more than ``_MAX_CHUNK`` bytes nor a block more than 64 KiB
+    uncompressed, so what we buffer and what one block expands to are bounded
+    before anything is allocated. As Go's snappy reader, we require the
+    stream identifier first, skip padding and skippable chunks and refuse
+    reserved ones and bad checksums.
+    """
 
     def __init__(self, transport: trio.abc.Stream) -> None:
         self.transport = transport
         self._compressor = snappy.StreamCompressor()
-        self._decompressor = snappy.StreamDecompressor()
+        self._buffer = bytearray()
+        self._started = False
 
     async def send_all(self, data) -> None:
         await self.transport.send_all(self._compressor.add_chunk(bytes(data)))
@@ -68,15 +94,83 @@ class SnappyStream(trio.abc.Stream):
 
     async def receive_some(self, max_bytes=None) -> bytes:
         while True:
-            data = await self.transport.receive_some(max_bytes)
-            if not data:
-                return b""
-            try:
-                out = self._decompressor.decompress(data)
-            except snappy.UncompressError as exc:
-                raise trio.BrokenResourceError(f"bad snappy stream: {exc}") from None
+            if self._chunk_ready():
+                await trio.lowlevel.checkpoint()
+            else:
+                data = await self.transport.receive_some(max_bytes)
+                if not data:
+                    return b""
+                self._buffer += data
+            out = self._decode()
             if out:
                 return out
 
+    def _chunk_ready(self) -> bool:
+        buf = self._buffer
+        return len(buf) >= 4 and len(buf) >= 4 + int.from_bytes(buf[1:4], "little")
+
+    def _decode(self) -> bytes:
+        """Complete chunks from the buffer, up to ``STEP_OUTPUT`` decompressed bytes."""
+        buf = self._buffer
+        out = []
+        size = 0
+        pos = 0
+        while size < STEP_OUTPUT and len(buf) - pos >= 4:
+            kind = buf[pos]
+            length = int.from_bytes(buf[pos + 1:pos + 4], "little")
+            if length > _MAX_CHUNK:
+                raise _corrupt(f"chunk of {length} bytes")
+            end = pos + 4 + length
+            if end > len(buf):
+                break
+            chunk = bytes(buf[pos + 4:end])
+            pos = end
+            if kind == 0xFF:
+                if chunk != _STREAM_ID:
+                    raise _corrupt("bad stream identifier")
+                self._started = True
+                continue
+            if not self._started:
+                raise _corrupt("no stream identifier")
+            if kind > 0x7F:  # padding and skippable chunks
+                continue
+            if kind > 0x01 or length < 4:
+                raise _corrupt(f"chunk type 0x{kind:02x}" if kind > 0x01 else "short chunk")
+            data = chunk[4:]
+            if kind == 0x00:
+                if _block_length(data) > _MAX_BLOCK:
+                    raise _corrupt("block larger than 64 KiB")
+                try:
+                    data = snappy.uncompress(data)
+                except snappy.UncompressError as exc:
+                    raise _corrupt(str(exc) or "bad block") from None
+            elif len(data) > _MAX_BLOCK:
+                raise _corrupt("block larger than 64 KiB")
+            if _masked_crc(data) != int.from_bytes(chunk[:4], "little"):
+                raise _corrupt("checksum mismatch")
+            out.append(data)
+            size += len(data)
+        del buf[:pos]
+        return b"".join(out)
+
     async def aclose(self) -> None:
         await self.transport.aclose()
+
+
+def _block_length(block: bytes) -> int:
+    """The uncompressed length a snappy block starts with (a varint of at most 5 bytes)."""
+    n = 0
+    for i, byte in enumerate(block[:5]):
+        n |= (byte & 0x7F) << (7 * i)
+        if byte < 0x80:
+            return n
+    raise _corrupt("bad block length")
+
+
+def _masked_crc(data: bytes) -> int:
+    crc = crc32c(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def _corrupt(what: str) -> trio.BrokenResourceError:
+    return trio.BrokenResourceError(f"bad snappy stream: {what}")

@@ -34,10 +34,11 @@ from . import diskq, message, policy, tls
 from .channel import Channel, ChannelExiting
 from .diskq import goimport
 from .guid import GUIDFactory
-from .names import is_valid_topic_name
-from .options import TLS_NOT_REQUIRED, Options, OptionsError, join_host_port, split_host_port
 from .broker import PublishError, Receipt, SubscribeError
+from .names import is_valid_channel_name, is_valid_topic_name
+from .options import OVERFLOW_POLICIES, TLS_NOT_REQUIRED, Options, OptionsError, join_host_port, split_host_port
 from .subscription import Budget, Consumer, Subscription
+from .tcp import ConnectionSlots
 from .topic import QueueFull, Topic
 from .version import NSQD_VERSION, version_string
 
@@ -67,6 +68,7 @@ class NSQD:
         self.amqp_addresses: list[tuple[str, int]] = []
         self.https_addresses: list[tuple[str, int]] = []
         self.connections_nursery: trio.Nursery | None = None
+        self.connection_slots = ConnectionSlots(options.max_connections)
         #: the ongoing storage failure (a full disk...), None while storage works
         self.storage_error: str | None = None
         self.default_policy = policy.defaults(options)
@@ -426,22 +428,26 @@ class NSQD:
             os.close(dir_fd)
 
     def load_metadata(self) -> None:
+        """Create the topics and channels of ``nsqd.dat``; one that is not what we (or Go nsqd)
+        write stops start-up with a :class:`MetadataError` saying what is wrong and what to do."""
         path = self.data_path / METADATA_FILE
         if not path.exists():
             return
         try:
-            data = json.loads(path.read_bytes())
+            data = _checked_metadata(path.read_bytes())
         except ValueError as exc:
-            raise RuntimeError(f"failed to parse metadata {path}: {exc}") from None
+            raise MetadataError(
+                f"{path} is not valid nsqd metadata ({exc}): move it aside to start without it (topics and "
+                f"channels come back on first use, their queued messages stay on disk) or restore it from a "
+                f"backup") from None
         self.guid = GUIDFactory(self.options.node_id, floor=int(data.get("last_message_id", 0)) + 1)
         self._loading = True
         try:
             for t in data.get("topics") or []:
                 topic = self.get_topic(t["name"])
-                topic.set_policy(policy.with_topic_changes(
-                    self.default_policy, _known(t.get("policy"), policy.TOPIC_FIELDS)))
+                topic.set_policy(policy.with_topic_changes(self.default_policy, t.get("policy") or {}))
                 for c in t.get("channels") or []:
-                    channel = topic.get_channel(c["name"], _known(c.get("policy"), policy.CHANNEL_FIELDS))
+                    channel = topic.get_channel(c["name"], c.get("policy") or {})
                     if c.get("paused"):
                         channel.pause()
                 if t.get("paused"):
@@ -539,8 +545,8 @@ class NSQD:
         self.data_path.mkdir(parents=True, exist_ok=True)
         async with trio.open_nursery() as queues:
             self._queues_nursery = queues
+            self.load_metadata()  # outside the try: a file we cannot read must not be overwritten on the way out
             try:
-                self.load_metadata()
                 self._declare()
                 async with trio.open_nursery() as services:
                     await services.start(self._run_connections)
@@ -680,6 +686,51 @@ def _write_steps(backend: diskq.DiskQueue, records: list[bytes], step: int = 256
     return written
 
 
+class MetadataError(Exception):
+    """``nsqd.dat`` cannot be used; the message is the whole story, for one log line."""
+
+
+def _checked_metadata(raw: bytes) -> dict:
+    """``nsqd.dat`` decoded, its shape checked; ValueError says what is wrong, briefly."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    last_id = data.get("last_message_id", 0)
+    if type(last_id) is not int or last_id < 0:
+        raise ValueError("last_message_id is not a number")
+    topics = data.get("topics") or []
+    if not isinstance(topics, list):
+        raise ValueError("topics is not a list")
+    for t in topics:
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not is_valid_topic_name(t["name"]):
+            raise ValueError(f"bad topic entry {json.dumps(t)[:60]}")
+        channels = t.get("channels") or []
+        if not isinstance(channels, list):
+            raise ValueError(f"channels of topic {t['name']} is not a list")
+        for c in channels:
+            if not isinstance(c, dict) or not isinstance(c.get("name"), str) or not is_valid_channel_name(c["name"]):
+                raise ValueError(f"bad channel entry {json.dumps(c)[:60]} in topic {t['name']}")
+            _check_policy(c.get("policy"), f"channel {t['name']}:{c['name']}")
+        _check_policy(t.get("policy"), f"topic {t['name']}")
+    return data
+
+
+def _check_policy(document, owner: str) -> None:
+    if document is None:
+        return
+    if not isinstance(document, dict):
+        raise ValueError(f"policy of {owner} is not an object")
+    fields = policy.CHANNEL_FIELDS if owner.startswith("channel") else policy.TOPIC_FIELDS
+    for key, value in document.items():
+        if key not in fields or type(value) is not fields[key] or (type(value) is int and value < 0):
+            raise ValueError(f"policy of {owner} has a bad {key}")
+        if key == "overflow" and value not in OVERFLOW_POLICIES:
+            raise ValueError(f"policy of {owner} has a bad overflow")
+
+
 @contextmanager
 def _bind_errors(address: str):
     """A listener that cannot bind fails as Go's does: ``listen (127.0.0.1:4150) failed - <reason>``."""
@@ -693,13 +744,6 @@ def _listening(kind: str, addresses: list[tuple[str, int]]) -> None:
     """Go nsqd's ``TCP: listening on 127.0.0.1:4150``, one per bound socket: tools read the ports from it."""
     for host, port in addresses:
         log.info(f"{kind}: listening on {join_host_port(host, port)}")
-
-
-def _known(document, fields: dict) -> dict:
-    """The policy fields a saved document holds, with the types they must have."""
-    if not isinstance(document, dict):
-        return {}
-    return {key: value for key, value in document.items() if key in fields and type(value) is fields[key]}
 
 
 def run(options: Options) -> int:
@@ -725,7 +769,7 @@ def run(options: Options) -> int:
     failures: list[BaseException] = []
     try:
         trio.run(main)
-    except* OSError as group:  # a port in use, a data path we cannot write: no traceback, as Go
+    except* (OSError, MetadataError) as group:  # a port in use, an unusable nsqd.dat: one line, as Go
         failures = list(_leaves(group))
     if failures:
         started = bool(daemon) and daemon[0].ready.is_set()

@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import re
+import resource
 import socket
 import tomllib
 import zlib
@@ -277,6 +278,15 @@ def _default_node_id() -> int:
 _MIB = 1024 * 1024
 
 
+def _default_max_connections() -> int:
+    """The open-file limit (RLIMIT_NOFILE) less a reserve for HTTP, listeners and disk queue files:
+    a quarter of the limit, at least 256 descriptors, at most half ("unlimited" counts as 2**20)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return soft - min(soft // 2, max(256, soft // 4))
+
+
 @dataclass(slots=True)
 class Options:
     """Every nsqd option; durations are float seconds, sizes are int bytes."""
@@ -389,6 +399,12 @@ class Options:
     )
     output_buffer_timeout: float = _opt("duration", 0.25, "default time between output flushes to a client")
     max_channel_consumers: int = _opt("int", 0, "most consumers per channel (0 = unlimited)")
+
+    # connections (not in Go nsqd)
+    max_connections: int = _opt(
+        "int", _default_max_connections, "most client connections, NSQ TCP and AMQP together, before new ones are "
+        "refused (0 = no limit); defaults to the open-file limit less max(256, a quarter of it)", exposed=False,
+    )
 
     # statsd
     statsd_address: str = _opt("str", "", "UDP <addr>:<port> of a statsd daemon (empty disables)")
@@ -555,6 +571,7 @@ class Options:
         ):
             _need(getattr(self, name) > 0, f"{_flag(name)} must be > 0")
         _need(self.max_channel_consumers >= 0, "--max-channel-consumers must be >= 0")
+        _need(self.max_connections >= 0, "--max-connections must be >= 0")
         _need(self.shutdown_grace >= 0, "--shutdown-grace must be >= 0")
         _need(self.overflow_policy in OVERFLOW_POLICIES,
               f"--overflow-policy must be one of {', '.join(OVERFLOW_POLICIES)}")

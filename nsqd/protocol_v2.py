@@ -9,6 +9,13 @@ against the daemon, appending response, error and message frames to the
 client's output list. Neither touches a socket or the event loop; the I/O
 layer (``nsqd.tcp``) only moves bytes.
 
+Work per call is bounded: :meth:`V2Parser.commands` returns at most
+``STEP_COMMANDS`` commands (each id of a FIN run counts), so a read full of
+tiny commands is executed in steps and the I/O layer yields between them.
+As nsqd reads a body only after checking the command line, a body command
+whose line is wrong (``PUB`` without a topic) is answered at once instead of
+waiting for a body that may never come.
+
 Errors mirror nsqd: the frame text is ``"<CODE> <description>"``, and fatal
 errors end the connection after the error frame is written.
 """
@@ -16,6 +23,7 @@ errors end the connection after the error frame is written.
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from typing import TYPE_CHECKING
@@ -39,11 +47,18 @@ MAGIC_V2 = b"  V2"
 #: longest command line accepted (nsqd's read buffer)
 MAX_LINE = 16 * 1024
 
+#: most commands one parser call returns (each id of a FIN run counts as one)
+STEP_COMMANDS = 256
+#: largest IDENTIFY body: its JSON is decoded in one go, so it stays small (clients send ~300 bytes)
+MAX_IDENTIFY_BODY = 64 * 1024
+_U64 = (1 << 64) - 1
+_I64_MIN = -(1 << 63)
+
 FIN_BATCH = b"FIN*"
+_FIN_LINE = 21  # "FIN " + 16-byte id + "\n"
 _FIN_RUN = re.compile(rb"(?:FIN [^\n]{16}\n)+")
 PARSE_ERROR = b"!ERR"
 _BODY_COMMANDS = frozenset((b"PUB", b"MPUB", b"DPUB", b"IDENTIFY", b"AUTH"))
-_U32 = struct.Struct(">I")
 _I32 = struct.Struct(">i")
 _OK = message.encode_response(b"OK")
 _CLOSE_WAIT = message.encode_response(b"CLOSE_WAIT")
@@ -79,13 +94,19 @@ class V2Parser:
     """Bytes in, commands out: ``(name, params, body)`` tuples.
 
     ``FIN_BATCH`` commands carry a list of message ids as params. A framing
-    problem (oversized line or body, bad size) yields one ``PARSE_ERROR``
-    command whose params are ``[code, description]``; nothing is parsed after it.
+    problem (oversized line or body, bad size, a body command's line that nsqd
+    refuses before reading the body) yields one ``PARSE_ERROR`` command whose
+    params are ``[code, description]``; nothing is parsed after it.
     """
 
-    def __init__(self, max_msg_size: int, max_body_size: int) -> None:
+    def __init__(self, max_msg_size: int, max_body_size: int, max_req_timeout_ms: int) -> None:
         self.max_msg_size = max_msg_size
         self.max_body_size = max_body_size
+        self.max_req_timeout_ms = max_req_timeout_ms
+        #: complete commands may be left: call :meth:`commands` again
+        self.more = False
+        #: commands returned so far (a FIN run counts once): shows progress
+        self.parsed = 0
         self._buf = bytearray()
         self._failed = False
 
@@ -96,46 +117,62 @@ class V2Parser:
     def buffered(self) -> int:
         return len(self._buf)
 
-    def commands(self) -> list[tuple[bytes, list, bytes | None]]:
+    def clear(self) -> None:
+        """Drop whatever is buffered (the connection is gone; a partial body must not linger)."""
+        self._buf = bytearray()
+        self.more = False
+
+    def commands(self, limit: int = STEP_COMMANDS) -> list[tuple[bytes, list, bytes | None]]:
+        """Up to ``limit`` complete commands; :attr:`more` tells whether others are buffered."""
         buf = self._buf
+        self.more = False
         if self._failed or not buf:
             return []
         out: list[tuple[bytes, list, bytes | None]] = []
         fins: list[bytes] | None = None
+        budget = limit
         pos = 0
         end = len(buf)
         find = buf.find
         fin_run = _FIN_RUN.match
         while pos < end:
+            if budget <= 0:
+                self.more = True
+                break
             # fast path: a run of "FIN <16-byte id>\n" lines, found by one regex match
             if buf[pos] == 70:
-                run = fin_run(buf, pos)
+                run = fin_run(buf, pos, min(end, pos + _FIN_LINE * budget))
                 if run is not None:
                     lines = bytes(buf[pos:run.end()])
                     if fins is None:
                         fins = []
                         out.append((FIN_BATCH, fins, None))
-                    fins += [lines[i:i + 16] for i in range(4, len(lines), 21)]
+                    fins += [lines[i:i + 16] for i in range(4, len(lines), _FIN_LINE)]
+                    budget -= len(lines) // _FIN_LINE
                     pos = run.end()
                     continue
             nl = find(b"\n", pos)
+            if (end if nl < 0 else nl) - pos > MAX_LINE:  # however the line was split into reads
+                out.append(self._fail("E_INVALID", f"command line longer than {MAX_LINE} bytes"))
+                break
             if nl < 0:
-                if end - pos > MAX_LINE:
-                    out.append(self._fail("E_INVALID", f"command line longer than {MAX_LINE} bytes"))
                 break
             line = bytes(buf[pos:nl])
             if line.endswith(b"\r"):
                 line = line[:-1]
             params = line.split(b" ")
             name = params[0]
+            budget -= 1
             if name in _BODY_COMMANDS:
-                if nl + 5 > end:
-                    break
-                size = _I32.unpack_from(buf, nl + 1)[0]
-                problem = self._check_body_size(name, size)
+                problem = self._check_line(name, params)
+                if problem is None:
+                    if nl + 5 > end:
+                        break
+                    problem = self._check_body_size(name, _I32.unpack_from(buf, nl + 1)[0])
                 if problem is not None:
                     out.append(self._fail(*problem))
                     break
+                size = _I32.unpack_from(buf, nl + 1)[0]
                 body_start = nl + 5
                 if body_start + size > end:
                     break
@@ -146,7 +183,29 @@ class V2Parser:
                 pos = nl + 1
             fins = None
         del buf[:pos]
+        self.parsed += len(out)
         return out
+
+    def _check_line(self, name: bytes, params: list[bytes]) -> tuple[str, str] | None:
+        """What nsqd checks in a body command's line before it reads the body, in its order."""
+        if name == b"IDENTIFY":
+            return None
+        cmd = name.decode()
+        if name == b"AUTH":
+            return ("E_INVALID", "AUTH invalid number of parameters") if len(params) != 1 else None
+        if len(params) < (3 if name == b"DPUB" else 2):
+            return "E_INVALID", f"{cmd} insufficient number of parameters"
+        topic = params[1].decode(errors="replace")
+        if not is_valid_topic_name(topic):
+            return "E_BAD_TOPIC", f"{cmd} topic name {_go_quote(topic)} is not valid"
+        if name == b"DPUB":
+            try:
+                timeout_ms = go_base10(params[2], "DPUB could not parse timeout")
+            except ClientError as exc:
+                return exc.code, exc.desc
+            if not 0 <= go_millis_ns(timeout_ms) <= self.max_req_timeout_ms * 1_000_000:
+                return "E_INVALID", f"DPUB timeout {timeout_ms} out of range 0-{self.max_req_timeout_ms}"
+        return None
 
     def _check_body_size(self, name: bytes, size: int) -> tuple[str, str] | None:
         cmd = name.decode()
@@ -156,16 +215,41 @@ class V2Parser:
             if size > self.max_msg_size:
                 return "E_BAD_MESSAGE", f"{cmd} message too big {size} > {self.max_msg_size}"
             return None
-        if size > self.max_body_size:
-            return "E_BAD_BODY", f"{cmd} body too big {size} > {self.max_body_size}"
+        limit = min(self.max_body_size, MAX_IDENTIFY_BODY) if name == b"IDENTIFY" else self.max_body_size
+        if size > limit:
+            return "E_BAD_BODY", f"{cmd} body too big {size} > {limit}"
         if size <= 0:
             return "E_BAD_BODY", f"{cmd} invalid body size {size}"
         return None
 
     def _fail(self, code: str, desc: str) -> tuple[bytes, list, None]:
         self._failed = True
-        self._buf.clear()
+        self.clear()
         return (PARSE_ERROR, [code, desc], None)
+
+
+def go_base10(value: bytes, what: str) -> int:
+    """nsqd's ByteToBase10: digits only, the empty string is 0, and the value wraps
+    around at 64 bits as Go's uint64 does (so no length of digits is too long)."""
+    if not value:
+        return 0
+    if not value.isdigit():
+        raise ClientError("E_INVALID", f"{what} {value.decode(errors='replace')}")
+    n = 0
+    for start in range(0, len(value), 18):  # int() of a huge digit string is refused, 18 digits never are
+        chunk = value[start:start + 18]
+        n = (n * 10 ** len(chunk) + int(chunk)) & _U64
+    return n
+
+
+def go_int64(value: int) -> int:
+    """A uint64 read as Go's int64."""
+    return value - (1 << 64) if value >> 63 else value
+
+
+def go_millis_ns(ms: int) -> int:
+    """``time.Duration(ms) * time.Millisecond`` for a uint64 ``ms``, overflow included."""
+    return go_int64(ms * 1_000_000 & _U64)
 
 
 class ProtocolV2:
@@ -175,7 +259,7 @@ class ProtocolV2:
         self.nsqd = nsqd
         self.client = client
         opts = nsqd.options
-        self.parser = V2Parser(opts.max_msg_size, opts.max_body_size)
+        self.parser = V2Parser(opts.max_msg_size, opts.max_body_size, int(opts.max_req_timeout * 1000))
         self.closed = False
         #: answers held back behind an unconfirmed publish, in order (see :meth:`answer`)
         self.held: list[bytes | Unconfirmed] = []
@@ -193,14 +277,23 @@ class ProtocolV2:
         }
 
     def receive_data(self, data: bytes, now_ns: int) -> None:
-        """Parse and execute every complete command; set :attr:`closed` on a fatal error.
-
-        A command that needs I/O (a TLS or compression upgrade, an auth server
-        query) leaves its steps in :attr:`pending` and the commands after it
-        waiting until :meth:`resume`.
-        """
+        """Buffer ``data`` and run the first :meth:`step` of the commands it completes."""
         self.parser.receive_data(data)
+        self.step(now_ns)
+
+    def step(self, now_ns: int) -> None:
+        """Parse and execute up to ``STEP_COMMANDS`` commands; set :attr:`closed` on a fatal error.
+
+        While :attr:`more` is true, complete commands are still buffered: the
+        I/O layer yields to other tasks, then steps again. A command that needs
+        I/O (a TLS or compression upgrade, an auth server query) leaves its
+        steps in :attr:`pending` and the commands after it waiting until :meth:`resume`.
+        """
         self._run(self.parser.commands(), now_ns)
+
+    @property
+    def more(self) -> bool:
+        return self.parser.more and not self.closed
 
     def resume(self, now_ns: int) -> None:
         """Go on with the commands that waited for the pending steps."""
@@ -289,14 +382,7 @@ class ProtocolV2:
             raise ClientError("E_INVALID", "invalid message ID")
         return params[1]
 
-    @staticmethod
-    def _base10(value: bytes, what: str) -> int:
-        """nsqd's ByteToBase10: digits only, the empty string is 0."""
-        if not value:
-            return 0
-        if not value.isdigit():
-            raise ClientError("E_INVALID", f"{what} {value.decode(errors='replace')}")
-        return int(value)
+    _base10 = staticmethod(go_base10)
 
     def _topic_name(self, params: list[bytes], cmd: str, needed: int) -> str:
         if len(params) < needed:
@@ -310,30 +396,23 @@ class ProtocolV2:
     def IDENTIFY(self, params, body, now_ns):
         client = self.client
         self._require_state("IDENTIFY", STATE_INIT)
-        try:
-            data = json.loads(body)
-            if not isinstance(data, dict):
-                raise ValueError("not an object")
-        except ValueError:
-            raise ClientError("E_BAD_BODY", "IDENTIFY failed to decode JSON body") from None
+        data = _decode_identify(body)
         opts = self.nsqd.options
         try:
             _identify(client, data, opts)
-        except (ValueError, TypeError) as exc:
+        except ValueError as exc:
             raise ClientError("E_BAD_BODY", f"IDENTIFY {exc}") from None
         log.info("IDENTIFY", client=client.remote_address, client_id=client.client_id,
                  user_agent=client.user_agent)
         client.on_wake()  # the pump re-reads the heartbeat interval
         if not client.feature_negotiation:
             return _OK
-        tls_v1 = self.nsqd.tls_context is not None and bool(data.get("tls_v1"))
-        deflate = opts.deflate and bool(data.get("deflate"))
-        snappy = opts.snappy and bool(data.get("snappy"))
+        tls_v1 = self.nsqd.tls_context is not None and data["tls_v1"]
+        deflate = opts.deflate and data["deflate"]
+        snappy = opts.snappy and data["snappy"]
         level = 6
-        if deflate:
-            requested = data.get("deflate_level", 0)
-            if isinstance(requested, int) and requested > 0:
-                level = requested
+        if deflate and data["deflate_level"] > 0:
+            level = data["deflate_level"]
         level = min(level, opts.max_deflate_level)
         if deflate and snappy:
             raise ClientError("E_IDENTIFY_FAILED", "cannot enable both deflate and snappy compression")
@@ -425,9 +504,9 @@ class ProtocolV2:
         self._require_state("RDY", STATE_SUBSCRIBED)
         count = 1
         if len(params) > 1:
-            count = self._base10(params[1], "RDY could not parse count")
+            count = go_int64(self._base10(params[1], "RDY could not parse count"))
         max_rdy = self.nsqd.options.max_rdy_count
-        if count > max_rdy:
+        if not 0 <= count <= max_rdy:
             raise ClientError("E_INVALID", f"RDY count {count} out of range 0-{max_rdy}")
         client.budget.limit = count
         return None
@@ -568,9 +647,9 @@ def split_mpub(body: bytes, max_msg_size: int, max_body_size: int) -> list[memor
     """
     if len(body) < 4:
         raise ClientError("E_BAD_BODY", "MPUB failed to read message count")
-    count = _U32.unpack_from(body, 0)[0]
+    count = _I32.unpack_from(body, 0)[0]
     max_messages = (max_body_size - 4) // 5
-    if count <= 0 or count > max_messages or count > 0x7FFFFFFF:
+    if count <= 0 or count > max_messages:
         raise ClientError("E_BAD_BODY", f"MPUB invalid message count {count}")
     view = memoryview(body)
     unpack = _I32.unpack_from
@@ -578,7 +657,7 @@ def split_mpub(body: bytes, max_msg_size: int, max_body_size: int) -> list[memor
     append = bodies.append
     end = len(body)
     pos = 4
-    last_size = -1
+    last_size = None  # not -1: a size of -1 must be checked too
     for index in range(count):
         if pos + 4 > end:
             raise ClientError("E_BAD_MESSAGE", f"MPUB failed to read message({index}) body size")
@@ -600,29 +679,68 @@ def split_mpub(body: bytes, max_msg_size: int, max_body_size: int) -> list[memor
     return bodies
 
 
-def _identify(client: ClientV2, data: dict, opts) -> None:
-    """Apply IDENTIFY fields with nsqd's validation; raises ValueError naming the field."""
-    def integer(key: str) -> int:
-        value = data.get(key, 0)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{key} must be a number")
-        return int(value)
+#: IDENTIFY's fields, typed as nsqd's identifyDataV2 types them (short_id and long_id
+#: come from pre-1.0 clients, leases is our extension); sample_rate is an int32
+_IDENTIFY_FIELDS = {
+    "client_id": str, "hostname": str, "user_agent": str, "short_id": str, "long_id": str,
+    "topology_region": str, "topology_zone": str,
+    "heartbeat_interval": int, "output_buffer_size": int, "output_buffer_timeout": int,
+    "deflate_level": int, "msg_timeout": int, "sample_rate": int,
+    "feature_negotiation": bool, "tls_v1": bool, "deflate": bool, "snappy": bool, "leases": bool,
+}
+_INT_TOP = {"sample_rate": 1 << 31}  # the other integers are Go ints: 64 bits
+_ZERO = {str: "", int: 0, bool: False}
+_BAD_IDENTIFY_JSON = ("E_BAD_BODY", "IDENTIFY failed to decode JSON body")
 
-    for key in ("client_id", "hostname", "user_agent"):
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _json_int(text: str) -> int | float:
+    """Integers past int64 become a float, which no integer field accepts (and
+    Python's int() is never asked for thousands of digits)."""
+    return int(text) if len(text) <= 20 else math.inf
+
+
+def _decode_identify(body: bytes) -> dict:
+    """Go's ``json.Unmarshal`` into identifyDataV2, so clients see nsqd's answer.
+
+    Strict JSON (no NaN or Infinity); a known field of the wrong type, or an
+    integer out of its Go type's range, fails; unknown fields are ignored;
+    absent and null fields are zero, as is a ``null`` body; invalid UTF-8 in a
+    string becomes U+FFFD. Every failure is ``IDENTIFY failed to decode JSON body``.
+    """
+    try:
+        data = json.loads(body.decode(errors="replace"), parse_constant=_no_constant, parse_int=_json_int)
+    except (ValueError, RecursionError):
+        raise ClientError(*_BAD_IDENTIFY_JSON) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ClientError(*_BAD_IDENTIFY_JSON)
+    fields = {}
+    for key, kind in _IDENTIFY_FIELDS.items():
         value = data.get(key)
-        if value is not None and not isinstance(value, str):
-            raise ValueError(f"{key} must be a string")
-    if "short_id" in data and "client_id" not in data:  # pre-1.0 clients
-        data["client_id"] = str(data["short_id"])
-    if "long_id" in data and "hostname" not in data:
-        data["hostname"] = str(data["long_id"])
-    client.client_id = data.get("client_id") or client.client_id
-    client.hostname = data.get("hostname") or client.hostname
-    client.user_agent = data.get("user_agent") or ""
-    client.feature_negotiation = bool(data.get("feature_negotiation", False))
-    client.leases_enabled = bool(data.get("leases", False))
+        if value is None:
+            value = _ZERO[kind]
+        elif type(value) is not kind:
+            raise ClientError(*_BAD_IDENTIFY_JSON)
+        elif kind is int and not -_INT_TOP.get(key, 1 << 63) <= value < _INT_TOP.get(key, 1 << 63):
+            raise ClientError(*_BAD_IDENTIFY_JSON)
+        fields[key] = value
+    return fields
 
-    heartbeat = integer("heartbeat_interval")
+
+def _identify(client: ClientV2, data: dict, opts) -> None:
+    """Apply decoded IDENTIFY fields with nsqd's validation; raises ValueError naming the field."""
+    client.client_id = data["client_id"] or data["short_id"] or client.client_id
+    client.hostname = data["hostname"] or data["long_id"] or client.hostname
+    client.user_agent = data["user_agent"]
+    client.feature_negotiation = data["feature_negotiation"]
+    client.leases_enabled = data["leases"]
+
+    heartbeat = data["heartbeat_interval"]
     max_hb_ms = int(opts.max_heartbeat_interval * 1000)
     if heartbeat == -1:
         client.heartbeat_interval_ns = 0
@@ -633,7 +751,7 @@ def _identify(client: ClientV2, data: dict, opts) -> None:
     else:
         raise ValueError(f"heartbeat interval ({heartbeat}) is invalid")
 
-    buf_timeout = integer("output_buffer_timeout")
+    buf_timeout = data["output_buffer_timeout"]
     if buf_timeout == -1:
         client.output_buffer_timeout_ns = 0
     elif buf_timeout == 0:
@@ -643,7 +761,7 @@ def _identify(client: ClientV2, data: dict, opts) -> None:
     else:
         raise ValueError(f"output buffer timeout ({buf_timeout}) is invalid")
 
-    buf_size = integer("output_buffer_size")
+    buf_size = data["output_buffer_size"]
     if buf_size == -1:
         client.output_buffer_size = 1
         client.output_buffer_timeout_ns = 0
@@ -654,12 +772,12 @@ def _identify(client: ClientV2, data: dict, opts) -> None:
     else:
         raise ValueError(f"output buffer size ({buf_size}) is invalid")
 
-    sample_rate = integer("sample_rate")
+    sample_rate = data["sample_rate"]
     if not 0 <= sample_rate <= 99:
         raise ValueError(f"sample rate ({sample_rate}) is invalid")
     client.sample_rate = sample_rate
 
-    msg_timeout = integer("msg_timeout")
+    msg_timeout = data["msg_timeout"]
     if msg_timeout == 0:
         pass
     elif 1000 <= msg_timeout <= int(opts.max_msg_timeout * 1000):

@@ -10,14 +10,28 @@ pump leaves the write to the active writer (which refills before it stops),
 the reader waits for it to finish before reading more, so a client that does
 not read back-pressures its own publishing and never grows our buffers.
 
-A client that sends nothing for two heartbeat intervals, or does not take our
-writes within one, is disconnected (nsqd's read and write deadlines).
+Reads are paced: the protocol parses and executes at most
+``STEP_COMMANDS`` commands per step and the reader yields (a Trio
+checkpoint) between steps, and the compressed and TLS streams expand one
+bounded step per receive, so no read, however much it expands, holds the
+event loop for long.
+
+Deadlines, as nsqd's: a whole command, line and body, must arrive within two
+heartbeat intervals of the previous one completing (the clock does not
+restart on every byte, so a body trickled in a byte at a time is cut off and
+its buffer freed); with heartbeats disabled an idle client may wait forever,
+but a started command still has ``--client-timeout``. A client that does not
+take our writes within one heartbeat interval is disconnected.
+
+Connections count against ``--max-connections`` (shared with the AMQP
+gateway); a client over it gets ``E_TOO_MANY_CONNECTIONS`` and is closed.
 """
 
 from __future__ import annotations
 
 import math
 import ssl
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 import structlog
@@ -38,8 +52,69 @@ log = structlog.get_logger("nsqd.tcp")
 RECEIVE_SIZE = 256 * 1024
 #: time a new connection has to send the protocol magic
 MAGIC_TIMEOUT = 10.0
+#: after a fatal error frame, the longest we wait for the client to hang up first
+LINGER = 1.0
+#: refused connections lingering at once; past this, they are closed without waiting
+MAX_REFUSING = 64
 _BAD_PROTOCOL = message.encode_error(b"E_BAD_PROTOCOL")
 _OK = message.encode_response(b"OK")
+
+
+class ConnectionSlots:
+    """The ``--max-connections`` budget, shared by NSQ TCP and AMQP clients (0: no limit).
+
+    A connection takes a slot when it is accepted and gives it back when it
+    ends; one that finds none is refused with its protocol's own error.
+    Refused connections linger (up to ``LINGER``) for the client to read that
+    error, but at most ``MAX_REFUSING`` of them at once, so a flood cannot use
+    up the descriptors kept free for HTTP; the others are closed right after
+    the error is written.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.refusing = 0
+
+    def take(self) -> bool:
+        if self.limit and self.used >= self.limit:
+            return False
+        self.used += 1
+        return True
+
+    def give_back(self) -> None:
+        self.used -= 1
+
+    @asynccontextmanager
+    async def refusal(self, stream: trio.abc.Stream):
+        """Around a refused connection's farewell; yields how long it may linger, closes the stream."""
+        linger = LINGER if self.refusing < MAX_REFUSING else 0.0
+        self.refusing += 1
+        try:
+            with trio.move_on_after(LINGER + linger):
+                yield linger
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+        finally:
+            self.refusing -= 1
+            with trio.CancelScope(shield=True):
+                with trio.move_on_after(1):
+                    await stream.aclose()
+
+
+async def hang_up(stream: trio.SocketStream, linger: float = LINGER) -> None:
+    """Stop writing, then drop what the client still sends until it hangs up (at most ``linger``).
+
+    Closing a socket with unread input makes the kernel send a reset, which
+    can destroy the error frame just written before the client reads it.
+    """
+    with trio.move_on_after(linger):
+        try:
+            await stream.send_eof()
+            while await stream.receive_some(RECEIVE_SIZE):
+                pass
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
 
 
 async def serve_tcp(nsqd: NSQD, listeners, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -51,6 +126,7 @@ async def serve_tcp(nsqd: NSQD, listeners, *, task_status=trio.TASK_STATUS_IGNOR
 
 
 async def _accept_loop(nsqd: NSQD, listener: trio.SocketListener, handlers: trio.Nursery) -> None:
+    slots = nsqd.connection_slots
     async with listener:
         while True:
             try:
@@ -59,11 +135,14 @@ async def _accept_loop(nsqd: NSQD, listener: trio.SocketListener, handlers: trio
                 log.error("accept failed", error=str(exc))
                 await trio.sleep(0.1)
                 continue
-            handlers.start_soon(handle_connection, nsqd, stream)
+            if slots.take():
+                handlers.start_soon(handle_connection, nsqd, stream)
+            else:
+                handlers.start_soon(refuse_connection, nsqd, stream)
 
 
 async def handle_connection(nsqd: NSQD, stream: trio.SocketStream) -> None:
-    """Serve one connection; whatever goes wrong stays inside this connection."""
+    """Serve one connection (holding a connection slot); whatever goes wrong stays inside it."""
     remote = peer_address(stream)
     try:
         await _serve(nsqd, stream, remote)
@@ -73,9 +152,20 @@ async def handle_connection(nsqd: NSQD, stream: trio.SocketStream) -> None:
     except* Exception as group:
         log.error("connection failed", client=remote, exc_info=group)
     finally:
+        nsqd.connection_slots.give_back()
         with trio.CancelScope(shield=True):
             with trio.move_on_after(1):
                 await stream.aclose()
+
+
+async def refuse_connection(nsqd: NSQD, stream: trio.SocketStream) -> None:
+    """A client over ``--max-connections``: ``E_TOO_MANY_CONNECTIONS``, then hang up."""
+    slots = nsqd.connection_slots
+    log.warning("connection refused: too many connections", client=peer_address(stream), limit=slots.limit)
+    async with slots.refusal(stream) as linger:
+        await stream.send_all(message.encode_error(
+            f"E_TOO_MANY_CONNECTIONS max connections ({slots.limit}) reached".encode()))
+        await hang_up(stream, linger)
 
 
 async def _serve(nsqd: NSQD, stream: trio.SocketStream, remote: str) -> None:
@@ -87,6 +177,7 @@ async def _serve(nsqd: NSQD, stream: trio.SocketStream, remote: str) -> None:
     if magic[:4] != MAGIC_V2:
         log.warning("bad protocol magic", client=remote, magic=magic[:4])
         await stream.send_all(_BAD_PROTOCOL)
+        await hang_up(stream)
         return
     client = ClientV2(nsqd.new_client_id(), remote, nsqd.options, nsqd.now_ns())
     connection = Connection(nsqd, stream, client)
@@ -96,6 +187,8 @@ async def _serve(nsqd: NSQD, stream: trio.SocketStream, remote: str) -> None:
     finally:
         client.unsubscribe()
         nsqd.remove_client(client)
+    if connection.protocol.closed:  # a fatal error frame was written: let the client read it
+        await hang_up(stream)
 
 
 async def _receive_exactly(stream: trio.SocketStream, n: int) -> bytes | None:
@@ -140,36 +233,57 @@ class Connection:
                     nursery.cancel_scope.cancel()
         finally:
             self.client.on_wake = _noop
+            self.protocol.parser.clear()
             log.info("client gone", client=self.client.remote_address, id=self.client.id)
 
     async def _read_loop(self, data: bytes) -> None:
         client = self.client
         protocol = self.protocol
+        parser = protocol.parser
         receive = self.stream.receive_some
+        last_command = trio.current_time()
         while True:
             if data:
+                parsed = parser.parsed
                 protocol.receive_data(data, self.nsqd.now_ns())
-                if protocol.held:
-                    await self._confirm()
-                await self._flush(wait=True)
-                while protocol.pending and not protocol.closed:
-                    await self._perform(protocol.pending.pop(0))
-                    if not protocol.pending:
-                        protocol.resume(self.nsqd.now_ns())
+                while True:
                     if protocol.held:
                         await self._confirm()
                     await self._flush(wait=True)
+                    while protocol.pending and not protocol.closed:
+                        await self._perform(protocol.pending.pop(0))
+                        if not protocol.pending:
+                            protocol.resume(self.nsqd.now_ns())
+                        if protocol.held:
+                            await self._confirm()
+                        await self._flush(wait=True)
+                    if not protocol.more:
+                        break
+                    await trio.lowlevel.checkpoint()
+                    protocol.step(self.nsqd.now_ns())
                 if protocol.closed:
                     return
+                if parser.parsed != parsed:
+                    last_command = trio.current_time()
                 receive = self.stream.receive_some
-            hb = client.heartbeat_interval_ns
-            with trio.move_on_after(2 * hb / 1e9 if hb > 0 else math.inf) as scope:
+            with trio.move_on_at(last_command + self._command_time()) as scope:
                 data = await receive(RECEIVE_SIZE)
             if scope.cancelled_caught:
-                log.warning("client missed heartbeats", client=client.remote_address)
+                if parser.buffered:
+                    log.warning("command not received in time", client=client.remote_address,
+                                buffered=parser.buffered)
+                else:
+                    log.warning("client missed heartbeats", client=client.remote_address)
                 return
             if not data:
                 return
+
+    def _command_time(self) -> float:
+        """Seconds a whole command has, from the end of the previous one (nsqd's read deadline)."""
+        hb = self.client.heartbeat_interval_ns
+        if hb > 0:
+            return 2 * hb / 1e9
+        return self.nsqd.options.client_timeout if self.protocol.parser.buffered else math.inf
 
     async def _pump(self) -> None:
         client = self.client

@@ -123,11 +123,13 @@ EXPECTED_DEFAULTS = {
 
 def test_defaults_match_nsqd(monkeypatch):
     monkeypatch.setattr("socket.gethostname", lambda: "nsq-test-host")
+    monkeypatch.setattr("resource.getrlimit", lambda which: (1024, 4096))
     options = Options()
     values = dataclasses.asdict(options)
     # crc32(md5("nsq-test-host")) % 1024, nsqd's default ID
     assert values.pop("node_id") == 806
     assert values.pop("broadcast_address") == "nsq-test-host"
+    assert values.pop("max_connections") == 768  # 1024 descriptors less max(256, 1024 // 4)
     assert values == EXPECTED_DEFAULTS
     options.validate()
 
@@ -186,6 +188,7 @@ FLAG_SAMPLES = {
     "min_output_buffer_timeout": ("5ms", 0.005),
     "output_buffer_timeout": ("100ms", 0.1),
     "max_channel_consumers": ("3", 3),
+    "max_connections": ("100", 100),
     "statsd_address": ("127.0.0.1:8125", "127.0.0.1:8125"),
     "statsd_prefix": ("p.%s", "p.%s"),
     "statsd_interval": ("10s", 10.0),
@@ -618,6 +621,7 @@ def test_config_file_values_are_validated(tmp_path, capsys):
         ),
         ({"output_buffer_timeout": 0.0}, "--output-buffer-timeout must be > 0"),
         ({"max_channel_consumers": -1}, "--max-channel-consumers must be >= 0"),
+        ({"max_connections": -1}, "--max-connections must be >= 0"),
         ({"statsd_interval": 0.0}, "--statsd-interval must be > 0"),
         ({"statsd_udp_packet_size": 0}, "--statsd-udp-packet-size must be > 0"),
         ({"e2e_processing_latency_window_time": 0.0}, "--e2e-processing-latency-window-time must be > 0"),

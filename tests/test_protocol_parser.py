@@ -5,21 +5,35 @@ import struct
 import pytest
 from hypothesis import given, strategies as st
 
-from nsqd.protocol_v2 import FIN_BATCH, MAX_LINE, PARSE_ERROR, V2Parser
+from nsqd.protocol_v2 import (
+    FIN_BATCH, MAX_LINE, PARSE_ERROR, STEP_COMMANDS, V2Parser, go_base10, go_int64, go_millis_ns,
+)
 
 MID = b"0123456789abcdef"
 
 
+def new_parser(max_msg=1024, max_body=4096) -> V2Parser:
+    return V2Parser(max_msg, max_body, max_req_timeout_ms=3_600_000)
+
+
+def drain(parser: V2Parser) -> list:
+    """Every complete command, step after step, as the I/O layer takes them."""
+    commands = parser.commands()
+    while parser.more:
+        commands += parser.commands()
+    return commands
+
+
 def parse_all(data: bytes, max_msg=1024, max_body=4096, step=None):
-    parser = V2Parser(max_msg, max_body)
+    parser = new_parser(max_msg, max_body)
     commands = []
     if step is None:
         parser.receive_data(data)
-        commands += parser.commands()
+        commands += drain(parser)
     else:
         for i in range(0, len(data), step):
             parser.receive_data(data[i:i + step])
-            commands += parser.commands()
+            commands += drain(parser)
     return parser, commands
 
 
@@ -87,6 +101,12 @@ def test_body_size_limits_fail_before_the_body_arrives(cmd, size, code, text):
     assert parser.commands() == []  # nothing is parsed after a framing error
 
 
+def test_overlong_line_is_an_error_even_when_its_newline_came_in_the_same_read():
+    _, cmds = parse_all(b"NOP\n" + b"X" * (MAX_LINE + 1) + b"\n")
+    assert cmds == [(b"NOP", [b"NOP"], None),
+                    (PARSE_ERROR, ["E_INVALID", f"command line longer than {MAX_LINE} bytes"], None)]
+
+
 def test_overlong_line_is_an_error_not_a_buffer():
     parser, cmds = parse_all(b"X" * (MAX_LINE + 1))
     assert cmds[0][0] is PARSE_ERROR and cmds[0][1][0] == "E_INVALID"
@@ -122,7 +142,54 @@ def test_any_split_of_the_stream_gives_the_same_commands(stream, step):
 
 @given(st.binary(max_size=2000))
 def test_garbage_never_raises(data):
-    parser = V2Parser(1024, 4096)
+    parser = new_parser()
     parser.receive_data(data)
-    for name, params, _ in parser.commands():
+    for name, params, _ in drain(parser):
         assert isinstance(name, bytes) and isinstance(params, list)
+
+
+def test_a_call_returns_a_bounded_step_of_commands():
+    parser = new_parser()
+    parser.receive_data(b"NOP\n" * 1000)
+    first = parser.commands()
+    assert len(first) == STEP_COMMANDS and parser.more
+    assert len(first) + len(drain(parser)) == 1000 and not parser.more
+
+
+def test_each_fin_of_a_run_counts_against_the_step():
+    parser = new_parser()
+    parser.receive_data(b"".join(b"FIN %016x\n" % i for i in range(1000)))
+    (name, ids, _), = parser.commands()
+    assert name is FIN_BATCH and len(ids) == STEP_COMMANDS and parser.more
+    assert sum(len(c[1]) for c in drain(parser)) == 1000 - STEP_COMMANDS
+
+
+@pytest.mark.parametrize("line,error", [
+    (b"PUB\n", ["E_INVALID", "PUB insufficient number of parameters"]),
+    (b"MPUB\n", ["E_INVALID", "MPUB insufficient number of parameters"]),
+    (b"DPUB t\n", ["E_INVALID", "DPUB insufficient number of parameters"]),
+    (b"DPUB t 3600001\n", ["E_INVALID", "DPUB timeout 3600001 out of range 0-3600000"]),
+    (b"DPUB t 1x\n", ["E_INVALID", "DPUB could not parse timeout 1x"]),
+    (b"PUB a:b\n", ["E_BAD_TOPIC", 'PUB topic name "a:b" is not valid']),
+    (b"AUTH x\n", ["E_INVALID", "AUTH invalid number of parameters"]),
+])
+def test_a_body_commands_line_is_checked_before_its_body_arrives(line, error):
+    _, cmds = parse_all(line)  # no size, no body: nsqd answers anyway
+    assert cmds == [(PARSE_ERROR, error, None)]
+
+
+@pytest.mark.parametrize("digits,value", [
+    (b"", 0),
+    (b"18446744073709551615", 2**64 - 1),
+    (b"18446744073709551617", 1),
+    (b"9" * 5000, 2**64 - 1),
+    (b"1" + b"0" * 5000, 0),
+])
+def test_numbers_wrap_at_64_bits_as_gos_byte_to_base10(digits, value):
+    assert go_base10(digits, "RDY could not parse count") == value
+
+
+def test_go_int64_and_millisecond_durations_overflow_as_go_does():
+    assert go_int64(2**64 - 1) == -1
+    assert go_millis_ns(2**64 - 1) == -1_000_000
+    assert go_millis_ns(9_223_372_036_855) == -9_223_372_036_854_551_616  # past int64 nanoseconds

@@ -1,0 +1,168 @@
+"""Hostile input on the AMQP gateway: absurd frame sizes, deep nesting, absurd numbers and
+frames in the wrong state each get an AMQP error condition; the daemon carries on."""
+
+from __future__ import annotations
+
+import struct
+import time
+
+import pytest
+import trio
+from structlog.testing import capture_logs
+
+from amqp_gateway import events as ev, performatives as p
+from amqp_gateway.connection import Connection
+from amqp_gateway.errors import (
+    DECODE_ERROR, FRAMING_ERROR, ILLEGAL_STATE, NOT_ALLOWED, RESOURCE_LIMIT_EXCEEDED,
+)
+from amqp_gateway.framing import AMQP_HEADER, SASL_HEADER, encode_frame
+
+from .conftest import HTTPClient, http_port
+from .test_amqp_raw import Client, body_payload, gateway
+
+OPEN = encode_frame(0, p.Open("hostile").encode_amqp())
+DEEP = "values nested deeper than 64"
+
+
+@pytest.fixture
+def logs():
+    with capture_logs() as events:
+        yield events
+    failures = [e for e in events if e["event"] == "AMQP connection failed"]
+    assert not failures, failures
+
+
+async def closed_by_gateway(port: int, data: bytes) -> p.Error:
+    """Send raw bytes; the error of the close the gateway answers with."""
+    async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+        await stream.send_all(data)
+        reader = Connection(client=True, container_id="reader")  # only reads what the gateway says
+        with trio.fail_after(5):
+            while True:
+                chunk = await stream.receive_some(65536)
+                assert chunk, "the gateway hung up without a close"
+                for event in reader.receive_data(chunk):
+                    if isinstance(event, ev.ConnectionClosed) and event.by_peer:
+                        return event.error
+
+
+def nested_described(depth: int) -> bytes:
+    return b"\x00\x53\x99" * depth + b"\x40"
+
+
+def list32(count: int, items: bytes) -> bytes:
+    return b"\xd0" + struct.pack(">II", len(items) + 4, count) + items
+
+
+async def still_serving(nsqd) -> None:
+    client = await Client.connect(nsqd.amqp_port)
+    link = await client.attach(p.SENDER, "/topics/alive")
+    outcomes = await client.publish(link, [b"yes"])
+    assert isinstance(outcomes[0], p.Accepted)
+
+
+@pytest.mark.parametrize("data,condition,description", [
+    (AMQP_HEADER + struct.pack(">IBBH", 0xFFFFFFFF, 2, 0, 0), FRAMING_ERROR,
+     "frame of 4294967295 bytes exceeds max-frame-size 512"),  # before open
+    (AMQP_HEADER + OPEN + struct.pack(">IBBH", 131073, 2, 0, 0), FRAMING_ERROR,
+     "frame of 131073 bytes exceeds max-frame-size 131072"),
+    (AMQP_HEADER + struct.pack(">IBBH", 8, 1, 0, 0), FRAMING_ERROR, "bad frame header (size 8, doff 1)"),
+    (AMQP_HEADER + OPEN + encode_frame(0, b"\x00\x53\x11" + nested_described(1000)), DECODE_ERROR, DEEP),
+    (AMQP_HEADER + OPEN + encode_frame(0, b"\x00\x53\x11\x45"), DECODE_ERROR, "Begin.next_outgoing_id is mandatory"),
+    (AMQP_HEADER + OPEN + encode_frame(0, b"\x00\x53\x11" + list32(0xFFFFFFFF, b"\x40" * 4)), DECODE_ERROR,
+     "compound count larger than its size"),
+    (AMQP_HEADER + encode_frame(0, p.Begin(None, 0, 10, 10).encode_amqp()), ILLEGAL_STATE, "Begin before open"),
+    (AMQP_HEADER + OPEN + OPEN, ILLEGAL_STATE, "second open"),
+    (AMQP_HEADER + OPEN + encode_frame(5, p.Flow(0, 10, 0, 10).encode_amqp()), ILLEGAL_STATE,
+     "frame on channel 5 without a session"),
+    (AMQP_HEADER + OPEN + encode_frame(65535, p.Begin(None, 0, 10, 10).encode_amqp()), NOT_ALLOWED,
+     "channel 65535 exceeds channel-max 255"),
+    (AMQP_HEADER + encode_frame(0, p.Open("x", idle_time_out=1).encode_amqp()), RESOURCE_LIMIT_EXCEEDED,
+     "idle-time-out 1 ms is below the 100 ms we support"),
+    (AMQP_HEADER + OPEN + encode_frame(0, b"\x00\x53\x10" + b"\xc0\x01\x00"), DECODE_ERROR,
+     "Open.container_id is mandatory"),
+])
+async def test_connection_rules_broken_get_a_close_with_the_condition(tmp_path, logs, data, condition, description):
+    async with gateway(tmp_path) as nsqd:
+        error = await closed_by_gateway(nsqd.amqp_port, data)
+        assert (error.condition, error.description) == (condition, description)
+        await still_serving(nsqd)
+
+
+async def test_a_huge_sasl_frame_is_a_framing_error(tmp_path, logs):
+    async with gateway(tmp_path) as nsqd:
+        async with await trio.open_tcp_stream("127.0.0.1", nsqd.amqp_port) as stream:
+            await stream.send_all(SASL_HEADER + struct.pack(">IBBH", 100_000, 2, 1, 0))
+            data = b""
+            with trio.fail_after(5):
+                while chunk := await stream.receive_some(65536):
+                    data += chunk
+        assert data.startswith(SASL_HEADER)  # our header and mechanisms, then the hang-up
+        await still_serving(nsqd)
+
+
+async def test_deep_nesting_in_an_attach_closes_the_connection(tmp_path, logs):
+    async with gateway(tmp_path) as nsqd:
+        client = await Client.connect(nsqd.amqp_port)
+        properties: dict = {}
+        inner = properties
+        for _ in range(100):
+            inner["k"] = {}
+            inner = inner["k"]
+        link = client.session.attach("deep", p.SENDER)
+        link.attach(p.Source(), p.Target("/topics/t", dynamic_node_properties=properties))
+        await client.until(lambda: client.conn.close_received)
+        closed = client.take(ev.ConnectionClosed)
+        assert (closed[0].error.condition, closed[0].error.description) == (DECODE_ERROR, DEEP)
+        await still_serving(nsqd)
+
+
+async def test_deep_nesting_in_a_messages_sections_rejects_that_message_only(tmp_path, logs):
+    async with gateway(tmp_path) as nsqd:
+        client = await Client.connect(nsqd.amqp_port)
+        link = await client.attach(p.SENDER, "/topics/t")
+        deep = b"\x00\x53\x74" + nested_described(100) + b"\x00\x53\x75\xa0\x01x"  # application-properties
+        link.send_transfers([b"deep"], [deep], False)
+        await client.until(lambda: any(isinstance(e, ev.Settled) for e in client.events))
+        (settled,) = client.take(ev.Settled, link)
+        assert isinstance(settled.state, p.Rejected)
+        assert (settled.state.error.condition, settled.state.error.description) == (DECODE_ERROR, DEEP)
+        outcomes = await client.publish(link, [b"fine"])  # the same link carries on
+        assert isinstance(outcomes[0], p.Accepted)
+        assert nsqd.topics["t"].message_count == 1
+
+
+async def test_a_handle_past_handle_max_ends_the_session(tmp_path, logs):
+    async with gateway(tmp_path) as nsqd:
+        client = await Client.connect(nsqd.amqp_port)
+        attach = p.Attach("big", 0xFFFFFFFF, p.SENDER, source=p.Source(), target=p.Target("/topics/t"),
+                          initial_delivery_count=0)
+        client.conn.send_frame(client.session.channel, attach.encode_amqp())
+        await client.until(lambda: client.session.end_received)
+        (ended,) = client.take(ev.SessionEnded)
+        assert (ended.error.condition, ended.error.description) == (NOT_ALLOWED, "handle 4294967295 exceeds handle-max 255")
+        await still_serving(nsqd)
+
+
+async def test_a_flood_of_tiny_frames_does_not_delay_ping(tmp_path, logs):
+    async with gateway(tmp_path, http_address="127.0.0.1:0") as nsqd:
+        client = await Client.connect(nsqd.amqp_port)
+        flow = encode_frame(client.session.channel, p.Flow(0, 100, 0, 100, echo=True).encode_amqp())
+        flood = flow * (4 * 1024 * 1024 // len(flow))  # 230,000 flows, each answered
+        http = HTTPClient(http_port(nsqd))
+        times = []
+        async with trio.open_nursery() as nursery:
+            async def drain_answers():
+                while await client.stream.receive_some(1 << 20):
+                    pass
+
+            nursery.start_soon(client.stream.send_all, flood)
+            nursery.start_soon(drain_answers)
+            await trio.sleep(0.2)
+            for _ in range(10):
+                start = time.perf_counter()
+                assert (await http.get("/ping")).status == 200
+                times.append(time.perf_counter() - start)
+            nursery.cancel_scope.cancel()
+        assert max(times) < 0.1, sorted(times)
+        await still_serving(nsqd)
