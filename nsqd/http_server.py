@@ -32,7 +32,8 @@ policy when reached:
   connection is dropped.
 
 Malformed requests get h11's status (400, or 501 for an unknown transfer
-coding) with an nsqd-style JSON message, then the connection is closed. A
+coding; 505 for an HTTP major version other than 1, HTTP/2's preface
+included) with an nsqd-style JSON message, then the connection is closed. A
 connection closed while the client may still be sending is shut down for
 writing and drained for up to :data:`LINGER_TIMEOUT`, so the client reads
 our answer instead of a reset.
@@ -40,12 +41,13 @@ our answer instead of a reset.
 
 from __future__ import annotations
 
+import math
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from email.utils import formatdate
+from urllib.parse import unquote
 
 import h11
 import structlog
@@ -106,7 +108,7 @@ class Request:
     """One request as the app sees it; ``receive`` gives the body piece by piece."""
 
     method: str
-    path: str
+    path: str  # percent-decoded
     raw_query: bytes
     headers: Sequence[tuple[bytes, bytes]]  # names in lower case, as h11 gives them
     secure: bool
@@ -125,7 +127,7 @@ class Response:
 
 App = Callable[[Request], Awaitable[Response]]
 
-_ORDINARY_FAULTS = (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError)
+_ORDINARY_FAULTS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 _STATUS_MESSAGES = {400: "BAD_REQUEST", 431: "HEADER_TOO_BIG", 501: "NOT_IMPLEMENTED"}
 
 
@@ -166,11 +168,7 @@ class HTTPServer:
         self._refusal_logged_at = -REFUSAL_LOG_INTERVAL
         self._date = (0, b"")
 
-    def statistics(self) -> tuple[int, int]:
-        """(open connections, of which waiting for a request)."""
-        return len(self._connections), len(self._waiting)
-
-    async def serve(self, listener: trio.SocketListener, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(self, listener: trio.abc.Listener, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Accept until cancelled; every connection runs in this call's handler nursery."""
         async with listener, trio.open_nursery() as handlers:
             task_status.started()
@@ -250,7 +248,14 @@ class HTTPServer:
 
 
 class _Connection:
-    """One client connection: requests in turn, each answered before the next is read."""
+    """One client connection: requests in turn, each answered before the next is read.
+
+    One cancel scope covers the connection's life; its deadline moves with the
+    phase (as Go's connection deadlines do): waiting for a request (idle, then
+    head), reading the body, sending the answer, none while the app works.
+    When it fires, the phase says what the client is owed. Making room at the
+    cap cancels the same scope, only ever while the connection waits.
+    """
 
     def __init__(self, server: HTTPServer, stream: trio.SocketStream) -> None:
         self.server = server
@@ -259,7 +264,8 @@ class _Connection:
         self.stream: trio.abc.Stream = stream
         self.remote = peer_address(stream)
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_head_size)
-        self._wait_scope = trio.CancelScope()
+        self._scope = trio.CancelScope()
+        self._phase = "idle"  # what the deadline guards: handshake, idle, head, app, body or send
         self._evicted = False
         self._linger = False  # the client may still be sending when we close
         self._body_deadline = 0.0
@@ -268,11 +274,14 @@ class _Connection:
     def evict(self) -> None:
         """Close this connection (it waits for a request) to make room for a new one."""
         self._evicted = True
-        self._wait_scope.cancel()
+        self._scope.cancel()
 
     async def run(self) -> None:
         try:
-            await self._serve()
+            with self._scope:
+                await self._serve()
+            if self._scope.cancelled_caught:
+                await self._deadline_passed()
         except _ORDINARY_FAULTS as exc:
             self._linger = False
             log.info("HTTP connection dropped", client=self.remote, error=str(exc) or type(exc).__name__)
@@ -290,39 +299,36 @@ class _Connection:
 
     async def _serve(self) -> None:
         conn = self.h11
-        if self.server.tls_context is not None and not await self._handshake():
-            return
+        if self.server.tls_context is not None:
+            self._wait()
+            self._set_deadline("handshake", trio.current_time() + self.limits.head_timeout)
+            stream = tls.TLSStream(self.raw_stream, self.server.tls_context)
+            self.stream = stream
+            await stream.do_handshake()
         while True:
             request = await self._read_head()
             if request is None or not await self._answer(request) or conn.our_state is h11.MUST_CLOSE:
                 return
             conn.start_next_cycle()
 
-    @contextmanager
-    def _waiting_for_request(self):
-        """Mark the connection as waiting (closable at the cap) for the block's duration."""
-        server = self.server
-        server._waiting[self] = None
-        try:
-            with trio.CancelScope() as self._wait_scope:
-                yield
-        finally:
-            server._waiting.pop(self, None)
+    def _set_deadline(self, phase: str, deadline: float) -> None:
+        self._phase = phase
+        self._scope.deadline = deadline
+
+    def _wait(self) -> None:
+        """The connection now waits for a request: closable at the cap, oldest wait first."""
+        self.server._waiting[self] = None
+
+    async def _deadline_passed(self) -> None:
+        """Answer what the phase whose deadline passed calls for (the connection then closes)."""
         if self._evicted:
             log.debug("HTTP connection closed to make room", client=self.remote)
-
-    async def _handshake(self) -> bool:
-        stream = tls.TLSStream(self.raw_stream, self.server.tls_context)
-        self.stream = stream
-        with self._waiting_for_request(), trio.move_on_after(self.limits.head_timeout):
-            try:
-                await stream.do_handshake()
-                return True
-            except _ORDINARY_FAULTS as exc:
-                log.info("HTTPS handshake failed", client=self.remote, error=str(exc) or type(exc).__name__)
-                return False
-        log.info("HTTPS handshake timed out or made room", client=self.remote)
-        return False
+        elif self._phase in ("head", "body"):
+            log.info(f"HTTP request {self._phase} timed out", client=self.remote)
+            with trio.move_on_after(self.limits.send_timeout):
+                await self._send_final(error_response(408, "REQUEST_TIMEOUT"))
+        elif self._phase != "idle":
+            log.info(f"HTTP {self._phase} timed out", client=self.remote)
 
     async def _read_head(self) -> h11.Request | None:
         """The next request head; None when the connection should end (after any answer owed)."""
@@ -331,7 +337,8 @@ class _Connection:
         start = trio.current_time()
         head_deadline = start + limits.head_timeout
         started = bool(conn.trailing_data[0])
-        with self._waiting_for_request():
+        self._wait()
+        try:
             while True:
                 try:
                     event = conn.next_event()
@@ -341,27 +348,35 @@ class _Connection:
                     await self._send_final(error_response(status, _STATUS_MESSAGES.get(status, "BAD_REQUEST")))
                     return None
                 if event is h11.NEED_DATA:
-                    deadline = head_deadline if started else min(head_deadline, start + limits.idle_timeout)
-                    with trio.move_on_at(deadline):
-                        data = await self.stream.receive_some(limits.max_head_size)
-                        conn.receive_data(data)
-                        started = True
-                        continue
                     if started:
-                        log.info("HTTP request head timed out", client=self.remote)
-                        await self._send_final(error_response(408, "REQUEST_TIMEOUT"))
-                    return None
-                if type(event) is h11.Request:
+                        self._set_deadline("head", head_deadline)
+                    else:
+                        self._set_deadline("idle", min(head_deadline, start + limits.idle_timeout))
+                    conn.receive_data(await self.stream.receive_some(limits.max_head_size))
+                    started = True
+                elif type(event) is h11.Request:
+                    self._set_deadline("app", math.inf)
+                    if not event.http_version.startswith(b"1."):  # h11 takes any digit.digit
+                        log.info("bad HTTP request", client=self.remote, status=505,
+                                 error=f"HTTP/{event.http_version.decode()}")
+                        await self._send_final(error_response(505, "HTTP_VERSION_NOT_SUPPORTED"))
+                        return None
                     return event
-                return None  # ConnectionClosed
-        return None  # closed to make room
+                else:
+                    return None  # ConnectionClosed
+        finally:
+            self.server._waiting.pop(self, None)
 
     async def _answer(self, event: h11.Request) -> bool:
         """Call the app and send its answer; False when the connection is to be dropped."""
-        path, _, query = event.target.partition(b"?")
+        target = event.target
+        if target[:1] != b"/":  # absolute form (as proxies send it): its path, as Go's router takes it
+            authority = target.partition(b"://")[2]
+            target = b"/" + authority.partition(b"/")[2] if authority else target
+        path, _, query = target.partition(b"?")
         request = Request(
             method=event.method.decode("ascii"),
-            path=path.decode("latin-1"),
+            path=unquote(path.decode("ascii")),
             raw_query=query,
             headers=event.headers,
             secure=self.server.tls_context is not None,
@@ -411,13 +426,12 @@ class _Connection:
             if conn.they_are_waiting_for_100_continue:
                 await self._send(conn.send(h11.InformationalResponse(
                     status_code=100, headers=[(b"date", self.server.date())])))
-            with trio.move_on_at(self._body_deadline) as timer:
-                try:
-                    data = await self.stream.receive_some(RECEIVE_SIZE)
-                except _ORDINARY_FAULTS:
-                    raise ClientGone() from None
-            if timer.cancelled_caught:
-                raise BadRequest(408, "REQUEST_TIMEOUT", "body not complete within the deadline")
+            self._set_deadline("body", self._body_deadline)
+            try:
+                data = await self.stream.receive_some(RECEIVE_SIZE)
+            except _ORDINARY_FAULTS:
+                raise ClientGone() from None
+            self._set_deadline("app", math.inf)
             self._peer_closed = not data
             conn.receive_data(data)
 
@@ -427,8 +441,8 @@ class _Connection:
         await self._send(self.server.serialise(self.h11, response, close=True))
 
     async def _send(self, data: bytes) -> None:
-        with trio.fail_after(self.limits.send_timeout):
-            await self.stream.send_all(data)
+        self._set_deadline("send", trio.current_time() + self.limits.send_timeout)
+        await self.stream.send_all(data)
 
 
 async def _linger(stream: trio.SocketStream) -> None:
