@@ -17,9 +17,9 @@ policy when reached:
   request the newcomer gets ``503 {"message":"TOO_MANY_CONNECTIONS"}`` and is
   closed (HTTPS: closed without a handshake). A flood of idle sockets thus
   never locks out /ping.
-* ``max_head_size`` (16 KiB, h11's ``max_incomplete_event_size``): a longer
-  request head gets ``431 HEADER_TOO_BIG``; heads are read at most that much
-  at a time, so a complete head is never more than twice the limit.
+* ``max_head_size`` (16 KiB): a request head that h11 holds incomplete past
+  it (its ``max_incomplete_event_size``), or a complete one whose target,
+  header names and values add up to more, gets ``431 HEADER_TOO_BIG``.
 * ``idle_timeout`` (5 s): the first byte of a request (also the first one on
   a new connection) must arrive within it, else the connection is closed
   without a word (keep-alive idle timeout).
@@ -59,7 +59,7 @@ from .tcp import peer_address
 
 log = structlog.get_logger("nsqd.http")
 
-#: bytes read from the socket per receive while a body is read
+#: bytes read from the socket per receive
 RECEIVE_SIZE = 64 * 1024
 #: time and bytes spent draining a client before closing on it
 LINGER_TIMEOUT = 1.0
@@ -352,14 +352,15 @@ class _Connection:
                         self._set_deadline("head", head_deadline)
                     else:
                         self._set_deadline("idle", min(head_deadline, start + limits.idle_timeout))
-                    conn.receive_data(await self.stream.receive_some(limits.max_head_size))
+                    conn.receive_data(await self.stream.receive_some(RECEIVE_SIZE))
                     started = True
                 elif type(event) is h11.Request:
                     self._set_deadline("app", math.inf)
-                    if not event.http_version.startswith(b"1."):  # h11 takes any digit.digit
-                        log.info("bad HTTP request", client=self.remote, status=505,
-                                 error=f"HTTP/{event.http_version.decode()}")
-                        await self._send_final(error_response(505, "HTTP_VERSION_NOT_SUPPORTED"))
+                    refusal = _refusal(event, limits.max_head_size)
+                    if refusal is not None:
+                        log.info("bad HTTP request", client=self.remote, status=refusal.status,
+                                 error=refusal.body.decode())
+                        await self._send_final(refusal)
                         return None
                     return event
                 else:
@@ -443,6 +444,15 @@ class _Connection:
     async def _send(self, data: bytes) -> None:
         self._set_deadline("send", trio.current_time() + self.limits.send_timeout)
         await self.stream.send_all(data)
+
+
+def _refusal(event: h11.Request, max_head_size: int) -> Response | None:
+    """What h11 lets through but we refuse: a complete head over the limit, HTTP other than 1.x."""
+    if len(event.target) + sum(len(name) + len(value) for name, value in event.headers) > max_head_size:
+        return error_response(431, "HEADER_TOO_BIG")  # h11 only limits heads still incomplete
+    if not event.http_version.startswith(b"1."):  # h11 takes any digit.digit
+        return error_response(505, "HTTP_VERSION_NOT_SUPPORTED")
+    return None
 
 
 async def _linger(stream: trio.SocketStream) -> None:

@@ -188,8 +188,15 @@ async def test_oversized_head_is_431_and_the_daemon_serves_on(daemon):
         await trio.sleep(0.01)
     json_error(await client.response(), 431, "HEADER_TOO_BIG")
     await client.aclose()
+    # a complete head over the limit that arrives in one piece, right after a body
+    client = await Raw.open(port)
+    await client.send(b"POST /pub?topic=t HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\nx"
+                      b"GET /ping HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 16_400 + b"\r\n\r\n")
+    assert (await client.response()).body == b"OK"
+    json_error(await client.response(), 431, "HEADER_TOO_BIG")
+    assert await client.closed()
     # a head below the limit is fine
-    response = await exchange(port, b"GET /ping HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 8000 + b"\r\n\r\n")
+    response = await exchange(port, b"GET /ping HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 16_000 + b"\r\n\r\n")
     assert (response.status, response.body) == (200, b"OK")
 
 
