@@ -177,15 +177,15 @@ class HTTPAPI:
     async def __call__(self, http_request: http_server.Request) -> http_server.Response:
         """One request in, its answer out (the server adds the framing headers)."""
         started = time.perf_counter()
-        headers = http_request.headers
+        fields = http_request.headers
         request = Request(
             method=http_request.method,
             path=http_request.path,
             raw_query=http_request.raw_query,
-            content_length=_content_length(headers),
+            content_length=_content_length(fields),
             receive=http_request.receive,
             secure=http_request.secure,
-            secret=_bearer(headers),
+            secret=_bearer(fields),
             remote_ip=http_request.remote.rpartition(":")[0],
         )
         status, headers, body = await self.respond(request)
