@@ -1,4 +1,4 @@
-"""nsqd's HTTP API: a small ASGI app of our own, served by hypercorn on Trio.
+"""nsqd's HTTP API: the app served by our own HTTP/1.1 server (nsqd/http_server.py).
 
 Paths, parameters, status codes, bodies and headers follow Go nsqd 1.3
 (``nsqd/http.go`` and ``internal/http_api``), so nsqadmin, nsq_stat and
@@ -16,17 +16,15 @@ import json
 import re
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from urllib.parse import unquote_to_bytes
 
-import hypercorn.trio
 import structlog
 import trio
-from hypercorn.config import Config, Sockets
 
-from . import auth, message, metrics, policy, stats
+from . import auth, http_server, message, metrics, policy, stats
 from .broker import PublishError
 from .channel import ChannelExiting
 from .diskq import DiskQueueError
@@ -55,10 +53,6 @@ class HTTPError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
-
-
-class ClientGone(Exception):
-    """The client disconnected before its request body was read."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +102,7 @@ class Request:
     path: str
     raw_query: bytes
     content_length: int | None
-    receive: Callable[[], Awaitable[dict]]
+    receive: Callable[[], Awaitable[bytes]]  # the next piece of body, b"" at its end
     secure: bool = False
     secret: str = ""
     remote_ip: str = ""
@@ -130,14 +124,11 @@ class Request:
         chunks: list[bytes] = []
         size = 0
         while size <= limit:
-            event = await self.receive()
-            if event["type"] == "http.disconnect":
-                raise ClientGone()
-            chunk = event.get("body", b"")
+            chunk = await self.receive()
+            if not chunk:
+                break
             chunks.append(chunk)
             size += len(chunk)
-            if not event.get("more_body", False):
-                break
         return b"".join(chunks)[: limit + 1]
 
 
@@ -154,7 +145,7 @@ Handler = Callable[..., Awaitable[object]]
 
 
 class HTTPAPI:
-    """The ASGI application: routing, Go's response styles, and the handlers."""
+    """The application: routing, Go's response styles, and the handlers."""
 
     def __init__(self, nsqd) -> None:
         self.nsqd = nsqd
@@ -183,35 +174,26 @@ class HTTPAPI:
             "/topic/redrive": {"POST": self.topic_redrive},
         }
 
-    async def __call__(self, scope: dict, receive, send) -> None:
-        if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
-            return
-        if scope["type"] != "http":
-            return
+    async def __call__(self, http_request: http_server.Request) -> http_server.Response:
+        """One request in, its answer out (the server adds the framing headers)."""
         started = time.perf_counter()
+        fields = http_request.headers
         request = Request(
-            method=scope["method"],
-            path=scope["path"],
-            raw_query=scope["query_string"],
-            content_length=_content_length(scope["headers"]),
-            receive=receive,
-            secure=scope.get("scheme") == "https",
-            secret=_bearer(scope["headers"]),
-            remote_ip=(scope.get("client") or ("", 0))[0],
+            method=http_request.method,
+            path=http_request.path,
+            raw_query=http_request.raw_query,
+            content_length=_content_length(fields),
+            receive=http_request.receive,
+            secure=http_request.secure,
+            secret=_bearer(fields),
+            remote_ip=http_request.remote.rpartition(":")[0],
         )
-        try:
-            status, headers, body = await self.respond(request)
-        except ClientGone:
-            return
+        status, headers, body = await self.respond(request)
         if body.content_type is not None:
             headers.append((b"content-type", body.content_type))
-        headers.append((b"content-length", b"%d" % len(body.data)))
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body.data})
-        client = scope.get("client") or ("", 0)
         log.debug("http request", status=status, method=request.method, uri=request.uri,
-                  remote=f"{client[0]}:{client[1]}", elapsed_ms=round((time.perf_counter() - started) * 1000, 3))
+                  remote=http_request.remote, elapsed_ms=round((time.perf_counter() - started) * 1000, 3))
+        return http_server.Response(status, headers, body.data)
 
     async def respond(self, request: Request) -> tuple[int, list[tuple[bytes, bytes]], Body]:
         """Route the request and shape the answer in the handler's style."""
@@ -285,7 +267,7 @@ class HTTPAPI:
         """The handler's status and result; any failure becomes a status and Go's message."""
         try:
             return 200, await handler(request, **params)
-        except ClientGone:
+        except http_server.RequestAborted:  # the server answers (or drops) the client itself
             raise
         except HTTPError as err:
             return err.status, err.message
@@ -649,85 +631,21 @@ def _policy_args(query: dict[str, list[str]], names: tuple[str, ...]) -> dict[st
     return out
 
 
-def _bearer(headers: list[tuple[bytes, bytes]]) -> str:
+def _bearer(headers: Sequence[tuple[bytes, bytes]]) -> str:
     for name, value in headers:
         if name.lower() == b"authorization" and value[:7].lower() == b"bearer ":
             return value[7:].decode("latin-1").strip()
     return ""
 
 
-def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+def _content_length(headers: Sequence[tuple[bytes, bytes]]) -> int | None:
     for name, value in headers:
         if name == b"content-length":
             return int(value) if value.isdigit() else None
     return None
 
 
-async def _lifespan(receive, send) -> None:
-    while True:
-        event = await receive()
-        if event["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif event["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-
-
 # ------------------------------------------------------------------ server
-
-
-class _HypercornLog:
-    """Hypercorn's own messages, through structlog; its access log is off (we log requests at debug)."""
-
-    def __init__(self, config: Config) -> None:
-        self._log = structlog.get_logger("nsqd.http")
-
-    async def access(self, request, response, request_time) -> None:
-        return None
-
-    async def info(self, message: str, *args, **kwargs) -> None:
-        self._log.debug(message, *args)
-
-    async def warning(self, message: str, *args, **kwargs) -> None:
-        self._log.warning(message, *args)
-
-    async def error(self, message: str, *args, **kwargs) -> None:
-        self._log.error(message, *args)
-
-    async def critical(self, message: str, *args, **kwargs) -> None:
-        self._log.critical(message, *args)
-
-    async def exception(self, message: str, *args, **kwargs) -> None:
-        self._log.exception(message, *args)
-
-
-class _Config(Config):
-    """Hypercorn's config, serving a socket we bound ourselves (so we know its port)."""
-
-    def __init__(self, sock: socket.socket, certfile: str = "", keyfile: str = "") -> None:
-        super().__init__()
-        self._sock = sock
-        if certfile:
-            self.certfile, self.keyfile = certfile, keyfile
-        self.accesslog = None
-        self.logger_class = _HypercornLog
-        self.include_server_header = False
-
-    def create_sockets(self) -> Sockets:
-        if self.ssl_enabled:
-            return Sockets(secure_sockets=[self._sock], insecure_sockets=[], quic_sockets=[])
-        return Sockets(secure_sockets=[], insecure_sockets=[self._sock], quic_sockets=[])
-
-
-async def _listen(address: str) -> socket.socket:
-    """A listening socket on "host:port"; an empty host means every IPv4 interface."""
-    host, port = split_host_port(address)
-    family, _, _, _, sockaddr = (await trio.socket.getaddrinfo(
-        host or "0.0.0.0", port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE))[0]
-    sock = socket.create_server(sockaddr, family=family)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setblocking(False)
-    return sock
 
 
 async def serve_http(nsqd, address: str, *, https: bool = False,
@@ -735,11 +653,13 @@ async def serve_http(nsqd, address: str, *, https: bool = False,
     """Serve the API on ``address`` ("host:port", port 0 for any) until cancelled.
 
     Reports the (host, port) actually bound through ``task_status`` as soon as
-    the socket listens; connections made before hypercorn accepts wait in the
-    backlog. With ``https`` the daemon's ``--tls-cert``/``--tls-key`` are used.
+    the socket listens. With ``https`` the daemon's TLS settings are used
+    (``--tls-cert``, ``--tls-key``, client certificate policy), as Go nsqd does.
     """
-    opts = nsqd.options
-    with await _listen(address) as sock:
-        task_status.started([sock.getsockname()[:2]])
-        config = _Config(sock, opts.tls_cert, opts.tls_key) if https else _Config(sock)
-        await hypercorn.trio.serve(HTTPAPI(nsqd), config, mode="asgi")
+    if https and nsqd.tls_context is None:
+        raise OSError("--https-address needs --tls-cert and --tls-key")
+    listener = await http_server.open_listener(address)
+    server = http_server.HTTPServer(HTTPAPI(nsqd), http_server.DEFAULT_LIMITS,
+                                    nsqd.tls_context if https else None)
+    task_status.started([listener.socket.getsockname()[:2]])
+    await server.serve(listener)

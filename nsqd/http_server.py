@@ -1,0 +1,478 @@
+"""The HTTP/1.1 server under the HTTP API: h11 on Trio, one task per connection.
+
+h11 parses and serialises (sans-I/O); this module only moves bytes and
+keeps time. A connection's task does everything in turn: read a request
+head, call the app, write its answer, again for the next (keep-alive,
+pipelining). Nothing else writes to the stream, so there are no concurrent
+sends, and whatever goes wrong ends inside that task: client faults are
+logged in one line, a bug in the app with its traceback, and the daemon
+carries on.
+
+Limits (:class:`Limits`, defaults in :data:`DEFAULT_LIMITS`), each with its
+policy when reached:
+
+* ``max_connections`` (256): at the cap the oldest connection that is waiting
+  for a request head (idle keep-alive, just connected, or a head still
+  arriving) is closed to make room; when every connection is busy with a
+  request the newcomer gets ``503 {"message":"TOO_MANY_CONNECTIONS"}`` and is
+  closed (HTTPS: closed without a handshake). A flood of idle sockets thus
+  never locks out /ping.
+* ``max_head_size`` (16 KiB): a request head that h11 holds incomplete past
+  it (its ``max_incomplete_event_size``), or a complete one whose target,
+  header names and values add up to more, gets ``431 HEADER_TOO_BIG``.
+* ``idle_timeout`` (5 s): the first byte of a request (also the first one on
+  a new connection) must arrive within it, else the connection is closed
+  without a word (keep-alive idle timeout).
+* ``head_timeout`` (10 s, from the same start): the whole head, and the TLS
+  handshake on HTTPS, must arrive within it, else ``408 REQUEST_TIMEOUT``.
+* ``body_timeout`` (60 s): the whole body, counted from the end of the head,
+  not per read: a trickling client is cut off with ``408 REQUEST_TIMEOUT``.
+  Bodies are read only as the app asks for them, never past its limit.
+* ``send_timeout`` (30 s): a client must take each answer within it, else the
+  connection is dropped.
+
+Malformed requests get h11's status (400, or 501 for an unknown transfer
+coding; 505 for an HTTP major version other than 1, HTTP/2's preface
+included) with an nsqd-style JSON message, then the connection is closed. A
+connection closed while the client may still be sending is shut down for
+writing and drained for up to :data:`LINGER_TIMEOUT`, so the client reads
+our answer instead of a reset.
+"""
+
+from __future__ import annotations
+
+import math
+import ssl
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from email.utils import formatdate
+from urllib.parse import unquote
+
+import h11
+import structlog
+import trio
+
+from . import tls
+from .options import split_host_port
+from .tcp import peer_address
+
+log = structlog.get_logger("nsqd.http")
+
+#: bytes read from the socket per receive
+RECEIVE_SIZE = 64 * 1024
+#: time and bytes spent draining a client before closing on it
+LINGER_TIMEOUT = 1.0
+LINGER_BYTES = 1024 * 1024
+#: connections being answered 503 at once; beyond, excess ones are closed at once
+MAX_REFUSING = 16
+#: seconds between two log lines about refused connections
+REFUSAL_LOG_INTERVAL = 10.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The server's limits; the module docstring says what happens at each."""
+
+    max_connections: int = 256
+    max_head_size: int = 16 * 1024
+    idle_timeout: float = 5.0
+    head_timeout: float = 10.0
+    body_timeout: float = 60.0
+    send_timeout: float = 30.0
+
+
+DEFAULT_LIMITS = Limits()
+
+
+class RequestAborted(Exception):
+    """The request body could not be read; the server deals with the client itself."""
+
+
+class ClientGone(RequestAborted):
+    """The client disconnected before its request body was read."""
+
+
+class BadRequest(RequestAborted):
+    """The body broke the protocol or its deadline: answered with ``status`` and closed."""
+
+    def __init__(self, status: int, message: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.detail = detail or message
+
+
+@dataclass
+class Request:
+    """One request as the app sees it; ``receive`` gives the body piece by piece."""
+
+    method: str
+    path: str  # percent-decoded
+    raw_query: bytes
+    headers: Sequence[tuple[bytes, bytes]]  # names in lower case, as h11 gives them
+    secure: bool
+    remote: str  # "host:port"
+    receive: Callable[[], Awaitable[bytes]]  # the next piece of body; b"" once it is complete
+
+
+@dataclass
+class Response:
+    """The app's answer; the server adds Content-Length, Date and Connection."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+
+App = Callable[[Request], Awaitable[Response]]
+
+_ORDINARY_FAULTS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+_STATUS_MESSAGES = {400: "BAD_REQUEST", 431: "HEADER_TOO_BIG", 501: "NOT_IMPLEMENTED"}
+
+
+def error_response(status: int, message: str) -> Response:
+    """The server's own answers, in nsqd's JSON error style."""
+    body = b'{"message":"%s"}' % message.encode()
+    return Response(status, [(b"content-type", b"application/json; charset=utf-8")], body)
+
+
+async def open_listener(address: str) -> trio.SocketListener:
+    """A listener on "host:port"; an empty host means every IPv4 interface, port 0 any port."""
+    host, port = split_host_port(address)
+    family, type_, proto, _, sockaddr = (await trio.socket.getaddrinfo(
+        host or "0.0.0.0", port, type=trio.socket.SOCK_STREAM, flags=trio.socket.AI_PASSIVE))[0]
+    sock = trio.socket.socket(family, type_, proto)
+    try:
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
+        await sock.bind(sockaddr)
+        sock.listen(1024)
+    except BaseException:
+        sock.close()
+        raise
+    return trio.SocketListener(sock)
+
+
+class HTTPServer:
+    """Serves ``app`` on one listener until cancelled (HTTPS when given a TLS context)."""
+
+    def __init__(self, app: App, limits: Limits = DEFAULT_LIMITS, tls_context: ssl.SSLContext | None = None) -> None:
+        self.app = app
+        self.limits = limits
+        self.tls_context = tls_context
+        self._connections: set[_Connection] = set()
+        #: connections waiting for a request head, oldest wait first: the ones closed at the cap
+        self._waiting: dict[_Connection, None] = {}
+        self._refusing = 0
+        self._refused = 0
+        self._refusal_logged_at = -REFUSAL_LOG_INTERVAL
+        self._date = (0, b"")
+
+    async def serve(self, listener: trio.abc.Listener, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Accept until cancelled; every connection runs in this call's handler nursery."""
+        async with listener, trio.open_nursery() as handlers:
+            task_status.started()
+            failing = False
+            while True:
+                try:
+                    stream = await listener.accept()
+                except OSError as exc:  # EMFILE and friends: back off, keep serving
+                    if not failing:
+                        log.error("HTTP accept failed, retrying every 0.1 s", error=str(exc))
+                    failing = True
+                    await trio.sleep(0.1)
+                    continue
+                failing = False
+                if len(self._connections) >= self.limits.max_connections and not self._evict_one():
+                    self._count_refusal()
+                    if self._refusing < MAX_REFUSING and self.tls_context is None:
+                        self._refusing += 1
+                        handlers.start_soon(self._refuse, stream)
+                    else:
+                        await stream.aclose()
+                    continue
+                connection = _Connection(self, stream)
+                self._connections.add(connection)
+                handlers.start_soon(connection.run)
+
+    def _evict_one(self) -> bool:
+        """Close the connection that has waited longest for a request; False if none waits."""
+        if not self._waiting:
+            return False
+        connection = next(iter(self._waiting))
+        del self._waiting[connection]
+        self._connections.discard(connection)
+        connection.evict()
+        return True
+
+    async def _refuse(self, stream: trio.SocketStream) -> None:
+        """Answer 503 to a connection over the cap, before reading its request."""
+        try:
+            with trio.move_on_after(LINGER_TIMEOUT):
+                refusal = error_response(503, "TOO_MANY_CONNECTIONS")
+                await stream.send_all(self.serialise(h11.Connection(h11.SERVER), refusal, close=True))
+                await _linger(stream)
+        except _ORDINARY_FAULTS:
+            pass
+        finally:
+            self._refusing -= 1
+            await _close(stream)
+
+    def _count_refusal(self) -> None:
+        """Log refusals at most every REFUSAL_LOG_INTERVAL seconds, with how many there were."""
+        self._refused += 1
+        now = trio.current_time()
+        if now >= self._refusal_logged_at + REFUSAL_LOG_INTERVAL:
+            log.warning("HTTP connections refused: too many connections", refused=self._refused,
+                        limit=self.limits.max_connections)
+            self._refused = 0
+            self._refusal_logged_at = now
+
+    def serialise(self, conn: h11.Connection, response: Response, *, close: bool = False,
+                  head_only: bool = False) -> bytes:
+        """The response's bytes; ``close`` asks the client to close (h11 adds it where HTTP needs it)."""
+        headers = [*response.headers, (b"content-length", b"%d" % len(response.body)), (b"date", self.date())]
+        if close:
+            headers.append((b"connection", b"close"))
+        data = conn.send(h11.Response(status_code=response.status, headers=headers))
+        if response.body and not head_only:
+            data += conn.send(h11.Data(data=response.body))
+        return data + conn.send(h11.EndOfMessage())
+
+    def date(self) -> bytes:
+        """The Date header's value, formatted once a second."""
+        now = int(time.time())
+        if now != self._date[0]:
+            self._date = (now, formatdate(now, usegmt=True).encode())
+        return self._date[1]
+
+
+class _Connection:
+    """One client connection: requests in turn, each answered before the next is read.
+
+    One cancel scope covers the connection's life; its deadline moves with the
+    phase (as Go's connection deadlines do): waiting for a request (idle, then
+    head), reading the body, sending the answer, none while the app works.
+    When it fires, the phase says what the client is owed. Making room at the
+    cap cancels the same scope, only ever while the connection waits.
+    """
+
+    def __init__(self, server: HTTPServer, stream: trio.SocketStream) -> None:
+        self.server = server
+        self.limits = server.limits
+        self.raw_stream = stream
+        self.stream: trio.abc.Stream = stream
+        self.remote = peer_address(stream)
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_head_size)
+        self._scope = trio.CancelScope()
+        self._phase = "idle"  # what the deadline guards: handshake, idle, head, app, body or send
+        self._evicted = False
+        self._linger = False  # the client may still be sending when we close
+        self._body_deadline = 0.0
+        self._peer_closed = False
+
+    def evict(self) -> None:
+        """Close this connection (it waits for a request) to make room for a new one."""
+        self._evicted = True
+        self._scope.cancel()
+
+    async def run(self) -> None:
+        try:
+            with self._scope:
+                await self._serve()
+            if self._scope.cancelled_caught:
+                await self._deadline_passed()
+        except _ORDINARY_FAULTS as exc:
+            self._linger = False
+            log.info("HTTP connection dropped", client=self.remote, error=str(exc) or type(exc).__name__)
+        except Exception:
+            self._linger = False
+            log.exception("HTTP connection failed", client=self.remote)
+        finally:
+            self.server._connections.discard(self)
+            self.server._waiting.pop(self, None)
+            try:
+                if self._linger:
+                    await _linger(self.raw_stream)
+            finally:
+                await _close(self.stream)
+
+    async def _serve(self) -> None:
+        conn = self.h11
+        if self.server.tls_context is not None:
+            self._wait()
+            self._set_deadline("handshake", trio.current_time() + self.limits.head_timeout)
+            stream = tls.TLSStream(self.raw_stream, self.server.tls_context)
+            self.stream = stream
+            await stream.do_handshake()
+        while True:
+            request = await self._read_head()
+            if request is None or not await self._answer(request) or conn.our_state is h11.MUST_CLOSE:
+                return
+            conn.start_next_cycle()
+
+    def _set_deadline(self, phase: str, deadline: float) -> None:
+        self._phase = phase
+        self._scope.deadline = deadline
+
+    def _wait(self) -> None:
+        """The connection now waits for a request: closable at the cap, oldest wait first."""
+        self.server._waiting[self] = None
+
+    async def _deadline_passed(self) -> None:
+        """Answer what the phase whose deadline passed calls for (the connection then closes)."""
+        if self._evicted:
+            log.debug("HTTP connection closed to make room", client=self.remote)
+        elif self._phase in ("head", "body"):
+            log.info(f"HTTP request {self._phase} timed out", client=self.remote)
+            with trio.move_on_after(self.limits.send_timeout):
+                await self._send_final(error_response(408, "REQUEST_TIMEOUT"))
+        elif self._phase != "idle":
+            log.info(f"HTTP {self._phase} timed out", client=self.remote)
+
+    async def _read_head(self) -> h11.Request | None:
+        """The next request head; None when the connection should end (after any answer owed)."""
+        conn = self.h11
+        limits = self.limits
+        start = trio.current_time()
+        head_deadline = start + limits.head_timeout
+        started = bool(conn.trailing_data[0])
+        self._wait()
+        try:
+            while True:
+                try:
+                    event = conn.next_event()
+                except h11.RemoteProtocolError as exc:
+                    status = exc.error_status_hint
+                    log.info("bad HTTP request", client=self.remote, status=status, error=str(exc))
+                    await self._send_final(error_response(status, _STATUS_MESSAGES.get(status, "BAD_REQUEST")))
+                    return None
+                if event is h11.NEED_DATA:
+                    if started:
+                        self._set_deadline("head", head_deadline)
+                    else:
+                        self._set_deadline("idle", min(head_deadline, start + limits.idle_timeout))
+                    conn.receive_data(await self.stream.receive_some(RECEIVE_SIZE))
+                    started = True
+                elif type(event) is h11.Request:
+                    self._set_deadline("app", math.inf)
+                    refusal = _refusal(event, limits.max_head_size)
+                    if refusal is not None:
+                        log.info("bad HTTP request", client=self.remote, status=refusal.status,
+                                 error=refusal.body.decode())
+                        await self._send_final(refusal)
+                        return None
+                    return event
+                else:
+                    return None  # ConnectionClosed
+        finally:
+            self.server._waiting.pop(self, None)
+
+    async def _answer(self, event: h11.Request) -> bool:
+        """Call the app and send its answer; False when the connection is to be dropped."""
+        target = event.target
+        if target[:1] != b"/":  # absolute form (as proxies send it): its path, as Go's router takes it
+            authority = target.partition(b"://")[2]
+            target = b"/" + authority.partition(b"/")[2] if authority else target
+        path, _, query = target.partition(b"?")
+        request = Request(
+            method=event.method.decode("ascii"),
+            path=unquote(path.decode("ascii")),
+            raw_query=query,
+            headers=event.headers,
+            secure=self.server.tls_context is not None,
+            remote=self.remote,
+            receive=self._receive_body,
+        )
+        self._body_deadline = trio.current_time() + self.limits.body_timeout
+        try:
+            response = await self.server.app(request)
+        except ClientGone:
+            log.info("HTTP client left mid-request", client=self.remote)
+            return False
+        except BadRequest as exc:
+            log.info("bad HTTP request body", client=self.remote, status=exc.status, error=exc.detail)
+            await self._send_final(error_response(exc.status, exc.message))
+            return False
+        close = not self._body_complete()
+        self._linger = close
+        await self._send(self.server.serialise(self.h11, response, close=close, head_only=event.method == b"HEAD"))
+        return True
+
+    def _body_complete(self) -> bool:
+        """Whether the request's body has been read whole, taking what is already buffered."""
+        conn = self.h11
+        try:
+            while conn.their_state is h11.SEND_BODY:
+                if conn.next_event() is h11.NEED_DATA:
+                    return False
+        except h11.RemoteProtocolError:
+            return False
+        return True
+
+    async def _receive_body(self) -> bytes:
+        """The next piece of the request body, b"" when complete (Request.receive)."""
+        conn = self.h11
+        while True:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                if self._peer_closed:
+                    raise ClientGone() from None
+                raise BadRequest(exc.error_status_hint, "BAD_REQUEST", str(exc)) from None
+            if type(event) is h11.Data:
+                return event.data
+            if event is not h11.NEED_DATA:
+                return b""  # EndOfMessage; PAUSED once it has been seen
+            if conn.they_are_waiting_for_100_continue:
+                await self._send(conn.send(h11.InformationalResponse(
+                    status_code=100, headers=[(b"date", self.server.date())])))
+            self._set_deadline("body", self._body_deadline)
+            try:
+                data = await self.stream.receive_some(RECEIVE_SIZE)
+            except _ORDINARY_FAULTS:
+                raise ClientGone() from None
+            self._set_deadline("app", math.inf)
+            self._peer_closed = not data
+            conn.receive_data(data)
+
+    async def _send_final(self, response: Response) -> None:
+        """An error answer after which the connection closes (lingering: the client may be sending)."""
+        self._linger = True
+        await self._send(self.server.serialise(self.h11, response, close=True))
+
+    async def _send(self, data: bytes) -> None:
+        self._set_deadline("send", trio.current_time() + self.limits.send_timeout)
+        await self.stream.send_all(data)
+
+
+def _refusal(event: h11.Request, max_head_size: int) -> Response | None:
+    """What h11 lets through but we refuse: a complete head over the limit, HTTP other than 1.x."""
+    if len(event.target) + sum(len(name) + len(value) for name, value in event.headers) > max_head_size:
+        return error_response(431, "HEADER_TOO_BIG")  # h11 only limits heads still incomplete
+    if not event.http_version.startswith(b"1."):  # h11 takes any digit.digit
+        return error_response(505, "HTTP_VERSION_NOT_SUPPORTED")
+    return None
+
+
+async def _linger(stream: trio.SocketStream) -> None:
+    """Stop sending and read what the client still sends, so closing does not reset our answer."""
+    with trio.move_on_after(LINGER_TIMEOUT):
+        try:
+            await stream.send_eof()
+            drained = 0
+            while drained < LINGER_BYTES:
+                data = await stream.receive_some(RECEIVE_SIZE)
+                if not data:
+                    return
+                drained += len(data)
+        except _ORDINARY_FAULTS:
+            return
+
+
+async def _close(stream: trio.abc.Stream) -> None:
+    with trio.CancelScope(shield=True), trio.move_on_after(1):
+        try:
+            await stream.aclose()
+        except _ORDINARY_FAULTS:
+            pass

@@ -1,0 +1,544 @@
+"""The HTTP server under the API (nsqd/http_server.py): hostile and unusual clients over real sockets.
+
+No client may end the daemon or disturb other clients; every limit answers
+as docs/http.md says. Limits are made small per test through
+``http_server.DEFAULT_LIMITS`` (the ``daemon`` fixture), or the defaults are
+run in virtual time (``autojump_clock``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import ssl
+
+import pytest
+import structlog
+import trio
+import trustme
+
+from nsqd import http_server
+
+from .conftest import HTTPResponse, http_port
+from .support import NSQConnection, running_nsqd, tcp_port
+
+
+@pytest.fixture
+async def daemon(request, tmp_path, monkeypatch):
+    """The daemon with HTTP on an ephemeral port; ``request.param`` overrides server limits."""
+    limits = dataclasses.replace(http_server.DEFAULT_LIMITS, **getattr(request, "param", {}))
+    monkeypatch.setattr(http_server, "DEFAULT_LIMITS", limits)
+    async with running_nsqd(tmp_path / "nsqd", http_address="127.0.0.1:0", max_msg_size=64,
+                            max_body_size=256) as nsqd:
+        yield nsqd
+
+
+class Raw:
+    """A raw HTTP/1.1 client: bytes out exactly as given, responses parsed one by one."""
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self.stream = stream
+        self.buf = bytearray()
+
+    @classmethod
+    async def open(cls, port: int) -> Raw:
+        return cls(await trio.open_tcp_stream("127.0.0.1", port))
+
+    async def send(self, data: bytes) -> None:
+        await self.stream.send_all(data)
+
+    async def _fill(self) -> bool:
+        try:
+            data = await self.stream.receive_some(65536)
+        except trio.BrokenResourceError:
+            data = b""
+        self.buf += data
+        return bool(data)
+
+    async def response(self, timeout: float = 5, *, to_head: bool = False) -> HTTPResponse:
+        """The next response (a 1xx counts as one); its body is framed by Content-Length (none for HEAD)."""
+        with trio.fail_after(timeout):
+            while b"\r\n\r\n" not in self.buf:
+                if not await self._fill():
+                    raise EOFError(f"connection closed; received {bytes(self.buf)!r}")
+            head, _, _ = bytes(self.buf).partition(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")
+            status = int(lines[0].split(" ")[1])
+            headers = {}
+            for line in lines[1:]:
+                name, _, value = line.partition(":")
+                headers[name.strip().lower()] = value.strip()
+            length = len(head) + 4 + (0 if to_head else int(headers.get("content-length", 0)))
+            while len(self.buf) < length:
+                if not await self._fill():
+                    raise EOFError("connection closed mid-body")
+            body = bytes(self.buf[len(head) + 4:length])
+            del self.buf[:length]
+            return HTTPResponse(status, headers, body)
+
+    async def closed(self, timeout: float = 5) -> bool:
+        """True once the server closed the connection with nothing more sent."""
+        with trio.fail_after(timeout):
+            while await self._fill():
+                pass
+        return not self.buf
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+async def exchange(port: int, data: bytes) -> HTTPResponse:
+    """One raw request on its own connection; the answer."""
+    client = await Raw.open(port)
+    try:
+        await client.send(data)
+        return await client.response()
+    finally:
+        await client.aclose()
+
+
+def json_error(response: HTTPResponse, status: int, message: str) -> None:
+    assert (response.status, response.json()) == (status, {"message": message})
+    assert response.headers["content-type"] == "application/json; charset=utf-8"
+
+
+def topic_depth(nsqd, name: str) -> int:
+    topic = nsqd.topics.get(name)
+    return topic.depth if topic is not None else 0
+
+
+# ------------------------------------------------------------- crash-proof
+
+
+async def test_stray_bytes_after_connection_close_never_end_the_daemon(daemon):
+    """hypercorn died with BusyResourceError after 4-8 of these; TCP clients keep working throughout."""
+    port = http_port(daemon)
+    consumer = await NSQConnection.open(tcp_port(daemon))
+    producer = await NSQConnection.open(tcp_port(daemon))
+    await consumer.sub("t", "c")
+    await consumer.command("RDY 1000")
+    received = []
+
+    async def consume() -> None:
+        while len(received) < 200:
+            message = await consumer.read_message()
+            received.append(message.body)
+            await consumer.command(b"FIN " + message.id)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(consume)
+        for i in range(200):
+            client = await Raw.open(port)
+            request = b"GET /ping HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            if i % 2:  # the stray bytes in the same write, or just after it
+                await client.send(request + b"GARBAGE")
+            else:
+                await client.send(request)
+                await client.send(b"GARBAGE" * (i % 7 + 1))
+            response = await client.response()
+            assert (response.status, response.body) == (200, b"OK")
+            assert await client.closed()
+            await client.aclose()
+            await producer.pub("t", b"%d" % i)
+    assert received == [b"%d" % i for i in range(200)]
+    await consumer.close()
+    await producer.close()
+
+
+@pytest.mark.parametrize("request_bytes,status,message", [
+    (b"GARBAGE\r\n\r\n", 400, "BAD_REQUEST"),
+    (b"GET /ping\r\n\r\n", 400, "BAD_REQUEST"),
+    (b"GET /ping HTTP/1.1\r\n\r\n", 400, "BAD_REQUEST"),  # no Host
+    (b"GET /ping HTTP/2.0\r\nHost: x\r\n\r\n", 505, "HTTP_VERSION_NOT_SUPPORTED"),
+    (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 505, "HTTP_VERSION_NOT_SUPPORTED"),  # the HTTP/2 preface
+    (b"GET /p ing HTTP/1.1\r\nHost: x\r\n\r\n", 400, "BAD_REQUEST"),
+    (b"GET /ping HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n", 400, "BAD_REQUEST"),
+    (b"GET /ping HTTP/1.1\r\nHost: x\r\n: empty name\r\n\r\n", 400, "BAD_REQUEST"),
+    (b"GET /ping HTTP/1.1\r\nHost: x\r\nX: a\x00b\r\n\r\n", 400, "BAD_REQUEST"),
+    (b"POST /pub?topic=t HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", 400, "BAD_REQUEST"),
+    (b"POST /pub?topic=t HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nx", 400,
+     "BAD_REQUEST"),
+    (b"POST /pub?topic=t HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n", 501, "NOT_IMPLEMENTED"),
+    (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(32) + b"\r\n\r\n", 400, "BAD_REQUEST"),  # TLS hello
+])
+async def test_malformed_requests_get_4xx_json_then_close(daemon, request_bytes, status, message):
+    port = http_port(daemon)
+    with structlog.testing.capture_logs() as logs:
+        client = await Raw.open(port)
+        await client.send(request_bytes)
+        json_error(await client.response(), status, message)
+        assert await client.closed()
+        await client.aclose()
+        assert (await exchange(port, b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")).body == b"OK"
+    assert not [entry for entry in logs if entry["log_level"] in ("error", "critical")]
+    assert [entry["status"] for entry in logs if entry["event"] == "bad HTTP request"] == [status]
+    assert list(daemon.topics) == []
+
+
+async def test_oversized_head_is_431_and_the_daemon_serves_on(daemon):
+    port = http_port(daemon)
+    response = await exchange(port, b"GET /ping HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n")
+    json_error(response, 431, "HEADER_TOO_BIG")
+    # many small headers that never end: cut at the limit as well
+    client = await Raw.open(port)
+    await client.send(b"GET /ping HTTP/1.1\r\nHost: x\r\n")
+    for _ in range(25):
+        await client.send(b"X-Header: value\r\n" * 100)
+        await trio.sleep(0.01)
+    json_error(await client.response(), 431, "HEADER_TOO_BIG")
+    await client.aclose()
+    # a complete head over the limit that arrives in one piece, right after a body
+    client = await Raw.open(port)
+    await client.send(b"POST /pub?topic=t HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\nx"
+                      b"GET /ping HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 16_400 + b"\r\n\r\n")
+    assert (await client.response()).body == b"OK"
+    json_error(await client.response(), 431, "HEADER_TOO_BIG")
+    assert await client.closed()
+    # a head below the limit is fine
+    response = await exchange(port, b"GET /ping HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 16_000 + b"\r\n\r\n")
+    assert (response.status, response.body) == (200, b"OK")
+
+
+async def test_malformed_chunked_body_is_400_and_publishes_nothing(daemon):
+    client = await Raw.open(http_port(daemon))
+    await client.send(b"POST /mpub?topic=t HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                      b"4\r\nab\ncd\r\nzz\r\n")
+    json_error(await client.response(), 400, "BAD_REQUEST")
+    assert await client.closed()
+    assert topic_depth(daemon, "t") == 0
+
+
+async def test_seeded_mutations_of_valid_requests_never_take_the_daemon_down(daemon):
+    """1000 requests with random bytes flipped, cut or repeated; /ping and publishing carry on."""
+    port = http_port(daemon)
+    rng = random.Random(11)
+    valid = [
+        b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"POST /pub?topic=t HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello",
+        b"POST /mpub?topic=t HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\na\nb\r\n0\r\n\r\n",
+        b"GET /stats?format=json HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        b"PUT /config/log_level HTTP/1.0\r\nContent-Length: 4\r\n\r\ninfo",
+    ]
+    statuses = set()
+    with structlog.testing.capture_logs() as logs:
+        for i in range(1000):
+            data = bytearray(rng.choice(valid) * rng.choice((1, 1, 2)))
+            for _ in range(rng.randint(1, 4)):
+                position = rng.randrange(len(data))
+                action = rng.random()
+                if action < 0.5:
+                    data[position] = rng.randrange(256)
+                elif action < 0.75:
+                    del data[position:position + rng.randint(1, 8)]
+                else:
+                    data[position:position] = data[position:position + rng.randint(1, 40)]
+            client = await Raw.open(port)
+            try:
+                await client.send(bytes(data))
+                await client.stream.send_eof()  # a cut request ends here instead of waiting for more
+                statuses.add((await client.response()).status)
+            except (EOFError, trio.BrokenResourceError):
+                pass
+            finally:
+                await client.aclose()
+    assert 400 in statuses and 200 in statuses
+    assert not [entry for entry in logs if entry["log_level"] in ("error", "critical")]
+    assert (await exchange(port, b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")).body == b"OK"
+    producer = await NSQConnection.open(tcp_port(daemon))
+    await producer.pub("after", b"still here")
+    assert topic_depth(daemon, "after") == 1
+    await producer.close()
+
+
+# ------------------------------------------------------------------ limits
+
+
+@pytest.mark.parametrize("daemon", [{"idle_timeout": 0.3, "head_timeout": 0.6}], indirect=True)
+async def test_idle_connection_is_closed_silently_and_a_slow_head_gets_408(daemon):
+    port = http_port(daemon)
+    idle = await Raw.open(port)
+    start = trio.current_time()
+    assert await idle.closed(timeout=3)  # no bytes, just closed
+    assert 0.25 <= trio.current_time() - start < 2
+
+    slow = await Raw.open(port)
+    start = trio.current_time()
+    for byte in b"GET /ping ":  # a byte every 0.1 s: never idle, head never done
+        await slow.send(bytes([byte]))
+        await trio.sleep(0.1)
+    json_error(await slow.response(), 408, "REQUEST_TIMEOUT")
+    assert 0.5 <= trio.current_time() - start < 2.5
+
+
+@pytest.mark.parametrize("daemon", [{"idle_timeout": 0.3}], indirect=True)
+async def test_keep_alive_idle_timeout_closes_between_requests(daemon):
+    client = await Raw.open(http_port(daemon))
+    await client.send(b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (await client.response()).body == b"OK"
+    await trio.sleep(0.1)
+    await client.send(b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")  # within the idle timeout: same connection
+    assert (await client.response()).body == b"OK"
+    assert await client.closed(timeout=3)
+
+
+async def test_trickled_body_is_cut_off_at_the_whole_body_deadline(autojump_clock, daemon):
+    """Default limits in virtual time: one byte every 25 s never resets the 60 s body deadline."""
+    assert http_server.DEFAULT_LIMITS.body_timeout == 60
+    client = await Raw.open(http_port(daemon))
+    start = trio.current_time()
+    await client.send(b"POST /pub?topic=t HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nx")
+    async with trio.open_nursery() as nursery:
+        async def trickle() -> None:
+            while True:
+                await trio.sleep(25)
+                await client.send(b"x")
+
+        nursery.start_soon(trickle)
+        response = await client.response(timeout=120)
+        nursery.cancel_scope.cancel()
+    json_error(response, 408, "REQUEST_TIMEOUT")
+    assert 60 <= trio.current_time() - start < 61
+    assert topic_depth(daemon, "t") == 0
+
+
+@pytest.mark.parametrize("daemon", [{"max_connections": 4}], indirect=True)
+async def test_connection_cap_answers_503_when_all_are_busy(daemon):
+    port = http_port(daemon)
+    busy = []
+    for _ in range(4):  # each mid-body: not idle, so never closed to make room
+        client = await Raw.open(port)
+        await client.send(b"POST /pub?topic=t HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc")
+        busy.append(client)
+    await trio.sleep(0.1)
+    with structlog.testing.capture_logs() as logs:
+        response = await exchange(port, b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")
+    json_error(response, 503, "TOO_MANY_CONNECTIONS")
+    assert [entry["refused"] for entry in logs if entry["event"].startswith("HTTP connections refused")] == [1]
+    # the busy ones are unharmed: they finish their requests
+    for client in busy:
+        await client.send(b"defghij")
+        assert (await client.response()).body == b"OK"
+        await client.aclose()
+    assert topic_depth(daemon, "t") == 4
+    assert (await exchange(port, b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")).body == b"OK"
+
+
+@pytest.mark.parametrize("daemon", [{"max_connections": 4}], indirect=True)
+async def test_ping_answers_under_a_flood_of_idle_connections(daemon):
+    """At the cap the oldest idle connections are closed to make room, so /ping stays reachable."""
+    port = http_port(daemon)
+    flood = [await Raw.open(port) for _ in range(40)]
+    keep_alive = await Raw.open(port)
+    await keep_alive.send(b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (await keep_alive.response()).body == b"OK"
+    for _ in range(5):
+        assert (await exchange(port, b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")).body == b"OK"
+    # the flood was closed, oldest first and without a word; at most 4 connections stayed open
+    assert [await client.closed(timeout=1) for client in flood[:36]] == [True] * 36
+
+
+# ------------------------------------------------------- HTTP/1.1 features
+
+
+async def test_keep_alive_and_pipelined_requests_are_answered_in_order(daemon):
+    client = await Raw.open(http_port(daemon))
+    await client.send(b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n"
+                      b"POST /pub?topic=t HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"
+                      b"POST /mpub?topic=t HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\na\nb\n"
+                      b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n"
+                      b"GET /stats?format=json&topic=t HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (await client.response()).body == b"OK"
+    assert (await client.response()).body == b"OK"
+    assert (await client.response()).body == b"OK"
+    json_error(await client.response(), 404, "NOT_FOUND")
+    stats = await client.response()
+    assert stats.json()["topics"][0]["depth"] == 3
+    # the same connection serves on, until the client says close
+    await client.send(b"GET /ping HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    response = await client.response()
+    assert (response.body, response.headers["connection"]) == (b"OK", "close")
+    assert await client.closed()
+
+
+async def test_targets_are_routed_on_their_decoded_path(daemon):
+    """As Go's router: percent-escapes decoded, an absolute-form target routed on its path."""
+    client = await Raw.open(http_port(daemon))
+    await client.send(b"GET /p%69ng HTTP/1.1\r\nHost: x\r\n\r\n"
+                      b"POST http://127.0.0.1:4151/pub?topic=t HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\nx"
+                      b"GET http://x HTTP/1.1\r\nHost: x\r\n\r\n"
+                      b"OPTIONS * HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (await client.response()).body == b"OK"
+    assert (await client.response()).body == b"OK"
+    json_error(await client.response(), 404, "NOT_FOUND")
+    json_error(await client.response(), 404, "NOT_FOUND")
+    assert topic_depth(daemon, "t") == 1
+
+
+async def test_http_1_0_is_answered_and_closed(daemon):
+    client = await Raw.open(http_port(daemon))
+    await client.send(b"POST /pub?topic=t HTTP/1.0\r\nContent-Length: 3\r\n\r\nold")
+    assert (await client.response()).body == b"OK"
+    assert await client.closed()
+    assert topic_depth(daemon, "t") == 1
+
+
+async def test_head_gets_the_headers_without_a_body(daemon):
+    client = await Raw.open(http_port(daemon))
+    await client.send(b"HEAD /ping HTTP/1.1\r\nHost: x\r\n\r\nGET /ping HTTP/1.1\r\nHost: x\r\n\r\n")
+    head = await client.response(to_head=True)
+    assert (head.status, head.headers["allow"], head.body) == (405, "GET, OPTIONS", b"")
+    assert int(head.headers["content-length"]) > 0
+    assert (await client.response()).body == b"OK"
+
+
+async def test_expect_100_continue_is_answered_before_the_body_is_sent(daemon):
+    client = await Raw.open(http_port(daemon))
+    await client.send(b"POST /pub?topic=t HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\nExpect: 100-continue\r\n\r\n")
+    interim = await client.response()
+    assert (interim.status, interim.body) == (100, b"")
+    await client.send(b"curled")
+    assert (await client.response()).body == b"OK"
+    # too big by Content-Length: refused at once, no 100, so the client never sends the body
+    await client.send(b"POST /pub?topic=t HTTP/1.1\r\nHost: x\r\nContent-Length: 65\r\nExpect: 100-continue\r\n\r\n")
+    json_error(await client.response(), 413, "MSG_TOO_BIG")
+    assert await client.closed()
+    assert topic_depth(daemon, "t") == 1
+
+
+async def test_chunked_mpub_in_pieces(daemon):
+    client = await Raw.open(http_port(daemon))
+    await client.send(b"POST /mpub?topic=t HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+    for piece in (b"one\n", b"two\nthr", b"ee\n"):
+        await trio.sleep(0.02)
+        await client.send(b"%x\r\n%s\r\n" % (len(piece), piece))
+    await client.send(b"0\r\n\r\n")
+    assert (await client.response()).body == b"OK"
+    assert topic_depth(daemon, "t") == 3
+    # over --max-body-size while chunked: 413 without reading the rest
+    await client.send(b"POST /mpub?topic=t HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                      + b"100\r\n" + b"x\n" * 128 + b"\r\n" + b"10\r\n" + b"y" * 16 + b"\r\n")
+    json_error(await client.response(), 413, "BODY_TOO_BIG")
+    assert await client.closed()
+    assert topic_depth(daemon, "t") == 3
+
+
+async def test_unread_body_closes_after_the_answer(daemon):
+    """/topic/create ignores its body; a body still on its way means the connection cannot be reused."""
+    client = await Raw.open(http_port(daemon))
+    await client.send(b"POST /topic/create?topic=t HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{}")
+    response = await client.response()
+    assert (response.status, response.headers["connection"]) == (200, "close")
+    await client.send(b"x" * 98)  # the rest is drained, not answered with a reset
+    assert await client.closed()
+    # a body that came with the head is skipped and the connection kept
+    client = await Raw.open(http_port(daemon))
+    await client.send(b"POST /topic/create?topic=u HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+                      b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert "connection" not in (await client.response()).headers
+    assert (await client.response()).body == b"OK"
+    assert sorted(daemon.topics) == ["t", "u"]
+
+
+# -------------------------------------------------------------- plumbing
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    ca = trustme.CA()
+    folder = tmp_path_factory.mktemp("https")
+    cert = ca.issue_cert("127.0.0.1")
+    cert.cert_chain_pems[0].write_to_path(folder / "cert.pem")
+    cert.private_key_pem.write_to_path(folder / "key.pem")
+    return {"ca": ca, "cert": str(folder / "cert.pem"), "key": str(folder / "key.pem")}
+
+
+async def test_https_keep_alive_and_a_plain_client_on_the_https_port(tmp_path, certs):
+    async with running_nsqd(tmp_path, https_address="127.0.0.1:0", tls_cert=certs["cert"],
+                            tls_key=certs["key"]) as nsqd:
+        port = nsqd.https_addresses[0][1]
+        context = ssl.create_default_context()
+        certs["ca"].configure_trust(context)
+        stream = trio.SSLStream(await trio.open_tcp_stream("127.0.0.1", port), context, server_hostname="127.0.0.1")
+        client = Raw(stream)
+        await client.send(b"POST /pub?topic=t HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\n\r\nsecret")
+        assert (await client.response()).body == b"OK"
+        await client.send(b"GET /info HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await client.response()).json()["tcp_port"] == tcp_port(nsqd)
+        await client.aclose()
+        # plain HTTP on the HTTPS port: dropped, and the server serves on
+        with structlog.testing.capture_logs() as logs:
+            plain = await Raw.open(port)
+            await plain.send(b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert await plain.closed()
+        assert not [entry for entry in logs if entry["log_level"] in ("error", "critical")]
+        assert topic_depth(nsqd, "t") == 1
+
+
+async def test_https_without_a_certificate_refuses_to_start(tmp_path):
+    with pytest.raises(BaseException) as info:
+        async with running_nsqd(tmp_path, https_address="127.0.0.1:0"):
+            pass
+    error = info.value
+    while isinstance(error, BaseExceptionGroup):
+        [error] = error.exceptions
+    assert (type(error), str(error)) == (OSError, "--https-address needs --tls-cert and --tls-key")
+
+
+class FlakyListener(trio.abc.Listener):
+    """A real listener whose first accepts fail as they do when descriptors run out."""
+
+    def __init__(self, inner: trio.SocketListener, failures: int) -> None:
+        self.inner = inner
+        self.failures = failures
+
+    async def accept(self):
+        if self.failures:
+            self.failures -= 1
+            await trio.sleep(0)
+            raise OSError(24, "Too many open files")
+        return await self.inner.accept()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_accept_loop_survives_emfile():
+    async def app(request: http_server.Request) -> http_server.Response:
+        return http_server.Response(200, [], b"served")
+
+    listener = await http_server.open_listener("127.0.0.1:0")
+    port = listener.socket.getsockname()[1]
+    server = http_server.HTTPServer(app)
+    with structlog.testing.capture_logs() as logs:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve, FlakyListener(listener, 3))
+            response = await exchange(port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            nursery.cancel_scope.cancel()
+    assert (response.status, response.body) == (200, b"served")
+    assert [entry["event"] for entry in logs if entry["log_level"] == "error"] == [
+        "HTTP accept failed, retrying every 0.1 s"]
+
+
+async def test_a_failing_app_is_logged_with_its_traceback_and_the_server_serves_on():
+    calls = []
+
+    async def app(request: http_server.Request) -> http_server.Response:
+        calls.append(request.path)
+        if request.path == "/bug":
+            raise ZeroDivisionError("a bug")
+        return http_server.Response(200, [], json.dumps({"path": request.path}).encode())
+
+    listener = await http_server.open_listener("127.0.0.1:0")
+    port = listener.socket.getsockname()[1]
+    with structlog.testing.capture_logs() as logs:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(http_server.HTTPServer(app).serve, listener)
+            client = await Raw.open(port)
+            await client.send(b"GET /bug HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert await client.closed()
+            assert (await exchange(port, b"GET /fine HTTP/1.1\r\nHost: x\r\n\r\n")).json() == {"path": "/fine"}
+            nursery.cancel_scope.cancel()
+    failure = next(entry for entry in logs if entry["event"] == "HTTP connection failed")
+    assert failure["log_level"] == "error" and failure["exc_info"] is True
+    assert calls == ["/bug", "/fine"]
