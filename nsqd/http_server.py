@@ -41,6 +41,7 @@ our answer instead of a reset.
 
 from __future__ import annotations
 
+import http
 import math
 import ssl
 import time
@@ -56,6 +57,9 @@ import trio
 from . import tls
 from .options import split_host_port
 from .tcp import peer_address
+
+#: the status line's reason phrase, as Go's net/http writes it ("HTTP/1.1 200 OK")
+_REASONS = {status.value: status.phrase.encode() for status in http.HTTPStatus}
 
 log = structlog.get_logger("nsqd.http")
 
@@ -234,7 +238,8 @@ class HTTPServer:
         headers = [*response.headers, (b"content-length", b"%d" % len(response.body)), (b"date", self.date())]
         if close:
             headers.append((b"connection", b"close"))
-        data = conn.send(h11.Response(status_code=response.status, headers=headers))
+        data = conn.send(h11.Response(status_code=response.status, headers=headers,
+                                      reason=_REASONS.get(response.status, b"")))
         if response.body and not head_only:
             data += conn.send(h11.Data(data=response.body))
         return data + conn.send(h11.EndOfMessage())
@@ -426,7 +431,7 @@ class _Connection:
                 return b""  # EndOfMessage; PAUSED once it has been seen
             if conn.they_are_waiting_for_100_continue:
                 await self._send(conn.send(h11.InformationalResponse(
-                    status_code=100, headers=[(b"date", self.server.date())])))
+                    status_code=100, headers=[(b"date", self.server.date())], reason=b"Continue")))
             self._set_deadline("body", self._body_deadline)
             try:
                 data = await self.stream.receive_some(RECEIVE_SIZE)

@@ -475,16 +475,6 @@ async def test_https_keep_alive_and_a_plain_client_on_the_https_port(tmp_path, c
         assert topic_depth(nsqd, "t") == 1
 
 
-async def test_https_without_a_certificate_refuses_to_start(tmp_path):
-    with pytest.raises(BaseException) as info:
-        async with running_nsqd(tmp_path, https_address="127.0.0.1:0"):
-            pass
-    error = info.value
-    while isinstance(error, BaseExceptionGroup):
-        [error] = error.exceptions
-    assert (type(error), str(error)) == (OSError, "--https-address needs --tls-cert and --tls-key")
-
-
 class FlakyListener(trio.abc.Listener):
     """A real listener whose first accepts fail as they do when descriptors run out."""
 
