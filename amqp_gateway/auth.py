@@ -17,7 +17,7 @@ import structlog
 from nsqd.auth import AuthError, AuthState, query_any
 
 if TYPE_CHECKING:
-    from nsqd.nsqd import NSQD
+    from nsqd.broker import Broker
 
 log = structlog.get_logger("amqp_gateway.auth")
 
@@ -26,7 +26,7 @@ def authenticate(username: str, password: str) -> bool:
     return True
 
 
-async def query(nsqd: NSQD, remote_address: str, secret: str) -> AuthState | None:
+async def query(nsqd: Broker, remote_address: str, secret: str) -> AuthState | None:
     """The auth servers' answer for ``secret``; None when none approves it (the gateway has no TLS)."""
     opts = nsqd.options
     try:

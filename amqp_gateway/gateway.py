@@ -47,7 +47,7 @@ from .sasl import Authenticate, SaslServer
 
 if TYPE_CHECKING:
     from nsqd.auth import AuthState
-    from nsqd.nsqd import NSQD
+    from nsqd.broker import Broker
 
 log = structlog.get_logger("amqp_gateway")
 
@@ -61,7 +61,7 @@ _AUTHORIZED = (ev.LinkAttaching, ev.Transfers)
 
 
 class GatewayConnection:
-    def __init__(self, nsqd: NSQD, remote_address: str, *, authenticate: Authenticate,
+    def __init__(self, nsqd: Broker, remote_address: str, *, authenticate: Authenticate,
                  idle_timeout: float | None) -> None:
         self.nsqd = nsqd
         #: with auth servers, PLAIN logins wait for them (``authenticate`` is not asked) and nothing else gets in

@@ -33,7 +33,7 @@ from .performatives import Accepted, Error, Rejected
 from .sections import message_body
 
 if TYPE_CHECKING:
-    from nsqd.nsqd import NSQD
+    from nsqd.broker import Broker
 
     from .events import IncomingDelivery
     from .link import Link
@@ -68,7 +68,7 @@ class Pending:
 
 
 class LinkPublisher:
-    def __init__(self, link: Link, topic_name: str, nsqd: NSQD, pub_counts: dict[str, int]) -> None:
+    def __init__(self, link: Link, topic_name: str, nsqd: Broker, pub_counts: dict[str, int]) -> None:
         self.link = link
         self.topic_name = topic_name
         self.nsqd = nsqd

@@ -53,7 +53,7 @@ from .publisher import POLL_INTERVAL
 from .sasl import Authenticate, SaslServer
 
 if TYPE_CHECKING:
-    from nsqd.nsqd import NSQD
+    from nsqd.broker import Broker
 
 log = structlog.get_logger("amqp_gateway.server")
 
@@ -62,7 +62,7 @@ IDLE_TIMEOUT = 60.0
 LINGER = 1.0
 
 
-async def serve_amqp(nsqd: NSQD, address: str, *, idle_timeout: float = IDLE_TIMEOUT,
+async def serve_amqp(nsqd: Broker, address: str, *, idle_timeout: float = IDLE_TIMEOUT,
                      authenticate: Authenticate = auth.authenticate,
                      task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Listen on ``address`` (port 0 picks one) and serve AMQP connections until cancelled.
@@ -81,7 +81,7 @@ async def serve_amqp(nsqd: NSQD, address: str, *, idle_timeout: float = IDLE_TIM
         task_status.started(addresses)
 
 
-async def _accept_loop(nsqd: NSQD, listener: trio.SocketListener, handlers: trio.Nursery,
+async def _accept_loop(nsqd: Broker, listener: trio.SocketListener, handlers: trio.Nursery,
                        idle_timeout: float, authenticate: Authenticate) -> None:
     slots = nsqd.connection_slots
     async with listener:
@@ -98,7 +98,7 @@ async def _accept_loop(nsqd: NSQD, listener: trio.SocketListener, handlers: trio
                 handlers.start_soon(refuse_connection, nsqd, stream)
 
 
-async def handle_connection(nsqd: NSQD, stream: trio.SocketStream, idle_timeout: float,
+async def handle_connection(nsqd: Broker, stream: trio.SocketStream, idle_timeout: float,
                             authenticate: Authenticate) -> None:
     """Serve one connection (holding a connection slot); whatever goes wrong stays inside it."""
     remote = peer_address(stream)
@@ -121,7 +121,7 @@ async def handle_connection(nsqd: NSQD, stream: trio.SocketStream, idle_timeout:
         nsqd.connection_slots.give_back()
 
 
-async def refuse_connection(nsqd: NSQD, stream: trio.SocketStream) -> None:
+async def refuse_connection(nsqd: Broker, stream: trio.SocketStream) -> None:
     """A client over ``--max-connections``: open and close with ``amqp:resource-limit-exceeded``."""
     slots = nsqd.connection_slots
     log.warning("AMQP connection refused: too many connections", client=peer_address(stream), limit=slots.limit)
@@ -147,7 +147,7 @@ def _anyone(username: str, password: str) -> bool:
 class Driver:
     """Moves bytes between one socket and one :class:`GatewayConnection`."""
 
-    def __init__(self, nsqd: NSQD, stream: trio.abc.Stream, gateway: GatewayConnection,
+    def __init__(self, nsqd: Broker, stream: trio.abc.Stream, gateway: GatewayConnection,
                  idle_timeout: float) -> None:
         self.nsqd = nsqd
         self.stream = stream

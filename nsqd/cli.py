@@ -1,14 +1,12 @@
-"""Command line: nsqd's flags, config-file precedence and logging setup."""
+"""Command line: nsqd's flags and config-file precedence; then logging and the daemon."""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-import structlog
 
 from nsqd.options import (
     OPTION_SPECS,
@@ -20,7 +18,7 @@ from nsqd.options import (
     format_duration,
     load_config,
 )
-from nsqd.lg import GoLineRenderer
+from nsqd.logs import configure_logging
 from nsqd.version import version_string
 
 
@@ -151,49 +149,6 @@ def parse_args(argv: Sequence[str]) -> Options:
     except OptionsError as exc:
         parser.error(str(exc))
     return options
-
-
-_LOG_LEVELS = {
-    "debug": logging.DEBUG,
-    "info": logging.INFO,
-    "warn": logging.WARNING,
-    "error": logging.ERROR,
-    "fatal": logging.CRITICAL,
-}
-
-
-class _NamedLogger(structlog.WriteLogger):
-    """A stderr logger carrying the name given to structlog.get_logger()."""
-
-    def __init__(self, name: str = "nsqd") -> None:
-        super().__init__(sys.stderr)
-        self.name = name
-
-
-def configure_logging(options: Options) -> None:
-    """Send structlog output to stderr at the configured level and format.
-
-    ``console`` writes Go nsqd's lines (``nsqd.lg``), ``json`` one object per
-    line with an ISO 8601 UTC timestamp. Loggers are not cached, so calling
-    this again (after PUT /config/log_level) changes the level of every
-    logger at once.
-    """
-    processors = [
-        structlog.contextvars.merge_contextvars,
-        structlog.processors.add_log_level,
-        structlog.stdlib.add_logger_name,
-    ]
-    if options.log_format == "json":
-        processors += [structlog.processors.TimeStamper(fmt="iso", utc=True),
-                       structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
-    else:
-        processors += [structlog.processors.format_exc_info, GoLineRenderer(options.log_prefix)]
-    structlog.configure(
-        processors=processors,
-        wrapper_class=structlog.make_filtering_bound_logger(_LOG_LEVELS[options.log_level]),
-        logger_factory=_NamedLogger,
-        cache_logger_on_first_use=False,
-    )
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

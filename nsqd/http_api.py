@@ -557,13 +557,12 @@ class HTTPAPI:
             if not body or len(body) > opts.max_msg_size:
                 raise HTTPError(413, "INVALID_VALUE")
             if opt == "nsqlookupd_tcp_addresses":
-                opts.lookupd_tcp_addresses = _lookupd_addresses(body)
+                self.nsqd.set_option("lookupd_tcp_addresses", _lookupd_addresses(body))
             elif opt == "log_level":
                 try:
-                    opts.log_level = parse_log_level(body.decode())
+                    self.nsqd.set_option("log_level", parse_log_level(body.decode()))
                 except (OptionsError, UnicodeDecodeError):
                     raise HTTPError(400, "INVALID_VALUE") from None
-                _apply_log_level(opts)
             else:
                 raise HTTPError(400, "INVALID_OPTION")
             log.info("option changed", option=opt, value=opts.config_value(opt))
@@ -588,14 +587,6 @@ def _lookupd_addresses(body: bytes) -> list[str]:
     except ValueError:  # also OptionsError and JSON errors
         raise HTTPError(400, "INVALID_VALUE") from None
     return value
-
-
-def _apply_log_level(opts) -> None:
-    """Re-apply logging when the CLI configured it (an embedding app keeps its own)."""
-    if structlog.is_configured():
-        from .cli import configure_logging
-
-        configure_logging(opts)
 
 
 def _v1_body(result: object) -> Body:

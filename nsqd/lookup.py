@@ -24,7 +24,7 @@ from .options import split_host_port
 from .version import NSQD_VERSION
 
 if TYPE_CHECKING:
-    from .nsqd import NSQD
+    from .broker import Broker
 
 log = structlog.get_logger("nsqd.lookup")
 
@@ -34,7 +34,7 @@ RESPONSE_TIMEOUT = 5.0
 MAX_BACKOFF = 15.0
 
 
-def registrations(nsqd: NSQD) -> set[tuple[str, str]]:
+def registrations(nsqd: Broker) -> set[tuple[str, str]]:
     """``(topic, "")`` for every topic and ``(topic, channel)`` for every channel."""
     wanted = set()
     for topic in nsqd.topics.values():
@@ -43,7 +43,7 @@ def registrations(nsqd: NSQD) -> set[tuple[str, str]]:
     return wanted
 
 
-def identify_body(nsqd: NSQD) -> bytes:
+def identify_body(nsqd: Broker) -> bytes:
     opts = nsqd.options
     tcp_port = opts.broadcast_tcp_port or (nsqd.tcp_addresses[0][1] if nsqd.tcp_addresses else 0)
     http_port = opts.broadcast_http_port or (nsqd.http_addresses[0][1] if nsqd.http_addresses else 0)
@@ -63,7 +63,7 @@ def command(verb: str, topic: str, channel: str) -> bytes:
 
 
 class LookupPeer:
-    def __init__(self, nsqd: NSQD, address: str) -> None:
+    def __init__(self, nsqd: Broker, address: str) -> None:
         self.nsqd = nsqd
         self.address = address
         self.registered: set[tuple[str, str]] = set()
@@ -174,10 +174,38 @@ class _Responses:
                 self._buf += chunk
 
 
-async def lookup_loop(nsqd: NSQD) -> None:
-    """Run one peer per configured nsqlookupd until cancelled."""
-    async with trio.open_nursery() as nursery:
-        for address in nsqd.options.lookupd_tcp_addresses:
-            peer = LookupPeer(nsqd, address)
-            nsqd.lookup_peers.append(peer)
-            nursery.start_soon(peer.run)
+async def lookup_loop(nsqd: Broker) -> None:
+    """Run one peer per configured nsqlookupd until cancelled.
+
+    A change of ``nsqlookupd_tcp_addresses`` at run time (``PUT /config``)
+    stops the peers of addresses that went and starts peers for new ones,
+    as Go nsqd's lookupLoop does on an options notification.
+    """
+    peers: dict[str, tuple[LookupPeer, trio.CancelScope]] = {}
+
+    def notify() -> None:
+        for peer, _ in peers.values():
+            peer.notify()
+
+    nsqd.on_topology_change.append(notify)
+    try:
+        async with trio.open_nursery() as nursery:
+            seen = -1
+            while True:
+                wanted = list(dict.fromkeys(nsqd.options.lookupd_tcp_addresses))
+                for address in [a for a in peers if a not in wanted]:
+                    peers.pop(address)[1].cancel()
+                    log.info("lookupd removed", lookupd=address)
+                for address in [a for a in wanted if a not in peers]:
+                    peer = LookupPeer(nsqd, address)
+                    scope = trio.CancelScope()
+                    peers[address] = (peer, scope)
+                    nursery.start_soon(_run_peer, peer, scope)
+                seen = await nsqd.wait_options_changed(max(seen, nsqd.options_version))
+    finally:
+        nsqd.on_topology_change.remove(notify)
+
+
+async def _run_peer(peer: LookupPeer, scope: trio.CancelScope) -> None:
+    with scope:
+        await peer.run()

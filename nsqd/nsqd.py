@@ -1,526 +1,44 @@
-"""The daemon: owns the topics, runs the listeners and loops, persists state.
+"""The daemon's start-up: builds the core and starts the services around it.
 
-Lifecycle (one nursery tree, nothing fire-and-forget)::
+:class:`NSQD` is the :class:`~nsqd.broker.Broker` (topics, publishing,
+subscriptions, storage) plus the services that make it a daemon: the NSQ TCP
+listener, the HTTP and HTTPS API, the AMQP gateway, nsqlookupd registration
+and statsd. Dependencies point one way: this module imports the front ends
+and the core, the front ends import the core, and the core imports neither.
+
+Lifecycle::
 
     serve()
-      queues nursery ........ disk queue background tasks (outlives the rest)
-        load metadata, import a Go nsqd data directory if one is there
-        services nursery .... TCP accept, HTTP, queue scan, backlog mover,
-                               metadata writer, connections
-      shutdown: cancel services (stop accepting, connections end and requeue
-      their in-flight messages), then write every queued, in-flight and
-      deferred message to disk, close the disk queues, save metadata.
-
-Metadata is ``nsqd.dat`` in the data path, the same JSON Go nsqd writes, so
-either daemon can read the other's; it is saved atomically (temp file, fsync,
-rename) after every change to the set of topics and channels or a pause.
+      broker.running() ...... storage, metadata, core loops (see nsqd.broker)
+        services nursery .... listeners, connections, lookupd, statsd,
+                              option changes applied at run time
+        wait for SIGTERM/SIGINT, drain, stop the services
+      (the broker then writes what memory holds to disk)
 """
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import time
-from collections import deque
 from contextlib import contextmanager
 from functools import partial
-from pathlib import Path
 
 import structlog
 import trio
 
-from . import diskq, message, policy, tls
-from .channel import Channel, ChannelExiting
-from .diskq import goimport
-from .guid import GUIDFactory
-from .broker import PublishError, Receipt, SubscribeError
-from .names import is_valid_channel_name, is_valid_topic_name
-from .options import OVERFLOW_POLICIES, TLS_NOT_REQUIRED, Options, OptionsError, join_host_port, split_host_port
-from .subscription import Budget, Consumer, Subscription
-from .tcp import ConnectionSlots
-from .topic import QueueFull, Topic
-from .version import NSQD_VERSION, version_string
+from .broker import Broker, MetadataError
+from .logs import configure_logging
+from .options import Options, join_host_port, split_host_port
+from .version import version_string
 
 log = structlog.get_logger("nsqd")
 
-METADATA_FILE = "nsqd.dat"
-#: seconds between retries of a metadata save (or of a shutdown write) while the disk fails
-STORAGE_RETRY = 1.0
-#: tries at writing what memory holds at shutdown before it is logged as lost
-SHUTDOWN_RETRIES = 3
 
-
-class NSQD:
+class NSQD(Broker):
     def __init__(self, options: Options) -> None:
-        self.options = options
-        self.data_path = Path(options.data_path)
-        self.topics: dict[str, Topic] = {}
-        #: connections, for /stats producers and client counts
-        self.clients: dict[int, object] = {}
-        self.guid = GUIDFactory(options.node_id)
-        self.tls_context = tls.server_context(options)
-        if options.tls_required != TLS_NOT_REQUIRED and self.tls_context is None:
-            raise OptionsError("--tls-required needs --tls-cert and --tls-key")
-        self.start_time = time.time()
-        self.tcp_addresses: list[tuple[str, int]] = []
-        self.http_addresses: list[tuple[str, int]] = []
-        self.amqp_addresses: list[tuple[str, int]] = []
-        self.https_addresses: list[tuple[str, int]] = []
+        super().__init__(options)
         self.connections_nursery: trio.Nursery | None = None
-        self.connection_slots = ConnectionSlots(options.max_connections)
-        #: the ongoing storage failure (a full disk...), None while storage works
-        self.storage_error: str | None = None
-        self.default_policy = policy.defaults(options)
-        #: bumped whenever a topic or channel appears or goes (the scan loop refreshes)
-        self.channels_version = 0
-        #: set once shutdown starts: publishes and subscriptions are refused
-        self.draining = False
-        self.lookup_peers: list = []
-        self._disk_checked = float("-inf")
-        self._disk_used = 0
-        self._client_seq = 0
-        self._wall0 = time.time_ns()
-        self._clock0: float | None = None
-        self._queues_nursery: trio.Nursery | None = None
-        self._backend_scopes: dict[int, trio.CancelScope] = {}
-        self._backlog: deque[Topic] = deque()
-        self._backlog_lot = trio.lowlevel.ParkingLot()
-        self._metadata_dirty = trio.Event()
-        self._loading = False
         self._shutdown = trio.Event()
         self.ready = trio.Event()
-
-    @property
-    def health(self) -> str:
-        """``OK``, or ``NOK - <reason>`` while storage is failing (what /ping answers, as Go)."""
-        return "OK" if self.storage_error is None else f"NOK - {self.storage_error}"
-
-    def _storage_failed(self, error: str) -> None:
-        if self.storage_error is None:
-            log.error("storage failing", error=error)
-        self.storage_error = error
-
-    def _storage_recovered(self) -> None:
-        if self.storage_error is not None:
-            log.info("storage recovered", after=self.storage_error)
-            self.storage_error = None
-
-    # --------------------------------------------------------------- time
-    def now_ns(self) -> int:
-        """Wall-clock nanoseconds that follow Trio's clock (so tests can jump time)."""
-        if self._clock0 is None:
-            return time.time_ns()
-        return self._wall0 + int((trio.current_time() - self._clock0) * 1e9)
-
-    # ------------------------------------------------------------ clients
-    def new_client_id(self) -> int:
-        self._client_seq += 1
-        return self._client_seq
-
-    def add_client(self, client) -> None:
-        self.clients[client.id] = client
-
-    def remove_client(self, client) -> None:
-        self.clients.pop(client.id, None)
-
-    # ------------------------------------------------------------ the core
-    def publish(self, topic_name: str, bodies, *, defer_ns: int = 0, durable: bool = False,
-                partial: bool = False) -> Receipt:
-        """Publish message bodies to a topic: the one publish path of every front end.
-
-        The topic's policy decides durability (``durable`` can only ask for
-        more). Returns a :class:`Receipt`; raises PublishError with nothing
-        stored. With ``partial``, a batch bigger than the room a ``reject``
-        limit leaves is cut: the head is stored (``Receipt.count``).
-        """
-        if self.draining:
-            raise PublishError("exiting", kind="exiting")
-        count = len(bodies)
-        try:
-            topic = self.get_topic(topic_name)
-        except ChannelExiting:
-            raise PublishError("exiting", kind="exiting") from None
-        except diskq.DiskQueueError as exc:
-            self._storage_failed(str(exc))
-            raise PublishError(f"cannot open the topic's storage: {exc}", kind="storage") from None
-        if partial and topic.policy.overflow == "reject" and topic.bounded:
-            room = topic.room()
-            if room is not None and room < count:
-                if room <= 0:
-                    raise PublishError(f"topic {topic_name} is full", kind="full")
-                count = room
-                bodies = bodies[:count]
-        now_ns = self.now_ns()
-        ids = self.guid.new_ids(count)
-        frames = message.encode_frames(ids, bodies, now_ns)
-        try:
-            queues = topic.publish(ids, frames, sum(map(len, bodies)), durable=durable or topic.policy.durable,
-                                   due_ns=now_ns + defer_ns if defer_ns else 0)
-        except QueueFull as exc:
-            raise PublishError(str(exc), kind="full") from None
-        except diskq.DiskQueueError as exc:
-            self._storage_failed(str(exc))
-            raise PublishError(f"cannot store: {exc}", kind="storage") from None
-        return Receipt(count, queues)
-
-    def publish_frames(self, topic_name: str, frames: list[bytes]) -> list:
-        """Store already-encoded messages (dead letters, redrive): ids and attempts as they are."""
-        topic = self.get_topic(topic_name)
-        nbytes = sum(map(len, frames)) - message.FRAME_OVERHEAD * len(frames)
-        return topic.publish(list(map(message.frame_id_of, frames)), frames, nbytes,
-                             durable=topic.policy.durable)
-
-    def subscribe(self, topic_name: str, channel_name: str, consumer: Consumer, *, budget: Budget,
-                  msg_timeout_ns: int) -> Subscription:
-        """Consume a channel (created if needed); raises SubscribeError."""
-        if self.draining:
-            raise SubscribeError("exiting")
-        try:
-            channel = self.get_topic(topic_name).get_channel(channel_name)
-            return channel.subscribe(consumer, self.new_client_id(), budget, msg_timeout_ns=msg_timeout_ns,
-                                     max_msg_timeout_ns=int(self.options.max_msg_timeout * 1e9),
-                                     max_consumers=self.options.max_channel_consumers)
-        except ChannelExiting as exc:
-            raise SubscribeError(str(exc)) from None
-        except diskq.DiskQueueError as exc:
-            self._storage_failed(str(exc))
-            raise SubscribeError(f"cannot open the channel's storage: {exc}") from None
-        except ValueError as exc:
-            raise SubscribeError(str(exc)) from None
-
-    def declare(self, topic_name: str, channel_name: str = "") -> None:
-        """Create a topic (and a channel of it) now; raises SubscribeError (exiting, storage)."""
-        try:
-            topic = self.get_topic(topic_name)
-            if channel_name:
-                topic.get_channel(channel_name)
-        except ChannelExiting as exc:
-            raise SubscribeError(str(exc)) from None
-        except diskq.DiskQueueError as exc:
-            self._storage_failed(str(exc))
-            raise SubscribeError(f"cannot open storage: {exc}") from None
-
-    def publish_room(self, topic_name: str) -> tuple[bool, int | None]:
-        """Whether a topic takes publishes now, and how many more its limits allow (None: no limit)."""
-        if self.draining:
-            return False, 0
-        topic = self.topics.get(topic_name)
-        if topic is None:  # created by the first publish
-            return True, None
-        if topic.policy.overflow != "reject":
-            return topic.accepting, None
-        return topic.accepting, topic.room()
-
-    # ------------------------------------------------------------- topics
-    def get_topic(self, name: str) -> Topic:
-        topic = self.topics.get(name)
-        if topic is None:
-            if self.draining:
-                raise ChannelExiting("exiting")
-            opts = self.options
-            e2e = None
-            if opts.e2e_processing_latency_percentiles:
-                e2e = (int(opts.e2e_processing_latency_window_time * 1e9),
-                       list(opts.e2e_processing_latency_percentiles))
-            topic = Topic(
-                name,
-                mem_queue_size=opts.mem_queue_size,
-                backend=None if name.endswith("#ephemeral") else self.open_backend(name),
-                policy=self.default_policy,
-                clock=self.now_ns,
-                open_channel_backend=self._open_channel_backend,
-                on_channels_changed=self._topic_changed,
-                on_backlog=self._schedule_backlog,
-                on_last_channel_gone=self._ephemeral_topic_gone,
-                dead_letter=partial(self.dead_letter, name),
-                lease_timeout_ns=int(opts.msg_timeout * 1e9),
-                e2e=e2e,
-                disk_full=self._disk_full if opts.max_disk_bytes else (lambda: False),
-            )
-            self.topics[name] = topic
-            log.info("TOPIC created", topic=name)
-            self._topic_changed(topic)
-        return topic
-
-    def dead_letter(self, topic_name: str, frames: list[bytes]) -> None:
-        """Publish messages a channel gave up on to ``<topic><suffix>``, ids and attempts kept."""
-        name = topic_name + self.options.dead_letter_suffix
-        if topic_name.endswith("#ephemeral") or not is_valid_topic_name(name):
-            log.warning("dead letters dropped", topic=topic_name, count=len(frames))
-            return
-        try:
-            self.publish_frames(name, frames)
-        except (QueueFull, ChannelExiting, diskq.DiskQueueError) as exc:
-            log.error("dead letters dropped", topic=topic_name, dead_letter_topic=name, count=len(frames),
-                      error=str(exc))
-
-    def disk_bytes(self) -> int:
-        """Bytes of queued (unread) message records on disk, across every queue."""
-        return sum(q.depth_bytes for q in self.backends())
-
-    def backends(self) -> list:
-        return [q for t in self.topics.values() for q in [t.backend, *(c.backend for c in t.channels.values())]
-                if q is not None]
-
-    def _disk_full(self) -> bool:
-        now = time.monotonic()
-        if now - self._disk_checked >= 0.1:  # sampled: summing every queue per publish would cost too much
-            self._disk_checked = now
-            self._disk_used = self.disk_bytes()
-        return self._disk_used >= self.options.max_disk_bytes
-
-    def get_existing_topic(self, name: str) -> Topic | None:
-        return self.topics.get(name)
-
-    def delete_topic(self, name: str) -> None:
-        topic = self.topics.pop(name)
-        topic.exiting = True
-        for channel_name in list(topic.channels):
-            self.delete_channel(topic, channel_name)
-        if topic.backend is not None:
-            self.close_backend(topic.backend, delete=True)
-        log.info("TOPIC deleted", topic=name)
-        self._topic_changed(topic)
-
-    def delete_channel(self, topic: Topic, name: str) -> None:
-        backend = topic.channels[name].backend
-        topic.delete_channel(name)
-        if backend is not None:
-            self.close_backend(backend, delete=True)
-        log.info("CHANNEL deleted", topic=topic.name, channel=name)
-
-    def set_topic_policy(self, topic: Topic, changes: dict) -> None:
-        """Change a topic's policies (and its channels' defaults) in one step; raises PolicyError."""
-        topic.set_policy(policy.with_topic_changes(topic.policy, changes))
-        self.persist_metadata_soon()
-
-    def set_channel_policy(self, channel: Channel, changes: dict) -> None:
-        topic = self.topics[channel.topic_name]
-        overrides = {**channel.overrides, **changes}
-        channel.set_policy(policy.with_channel_changes(topic.policy.channel, overrides), overrides)
-        self.persist_metadata_soon()
-
-    def channels(self) -> list[Channel]:
-        return [c for t in self.topics.values() for c in t.channels.values()]
-
-    def _ephemeral_topic_gone(self, topic: Topic) -> None:
-        if self.topics.get(topic.name) is topic:
-            self.delete_topic(topic.name)
-
-    def _topic_changed(self, topic: Topic) -> None:
-        self.channels_version += 1
-        self.persist_metadata_soon()
-        for peer in self.lookup_peers:
-            peer.notify()
-
-    def _schedule_backlog(self, topic: Topic) -> None:
-        if topic not in self._backlog:
-            self._backlog.append(topic)
-            self._backlog_lot.unpark_all()
-
-    # ------------------------------------------------------- disk queues
-    def _disk_queue_options(self) -> dict:
-        opts = self.options
-        return dict(
-            max_bytes_per_file=opts.max_bytes_per_file,
-            min_msg_size=2 + message.FRAME_OVERHEAD - 8,
-            max_msg_size=opts.max_msg_size + message.FRAME_OVERHEAD + 64,
-            sync_every=opts.sync_every,
-            sync_timeout=opts.sync_timeout,
-        )
-
-    def open_backend(self, queue_name: str) -> diskq.DiskQueue:
-        if goimport.go_queue_exists(queue_name, self.data_path):
-            self._import_go_queue(queue_name)
-        backend = diskq.DiskQueue(queue_name, self.data_path, **self._disk_queue_options())
-        if self._queues_nursery is not None:
-            self._queues_nursery.start_soon(self._run_backend, backend)
-        return backend
-
-    def _open_channel_backend(self, topic_name: str, channel_name: str) -> diskq.DiskQueue | None:
-        if channel_name.endswith("#ephemeral"):
-            return None
-        return self.open_backend(f"{topic_name}:{channel_name}")
-
-    async def _run_backend(self, backend: diskq.DiskQueue) -> None:
-        with trio.CancelScope() as scope:
-            self._backend_scopes[id(backend)] = scope
-            try:
-                await backend.run()
-            finally:
-                self._backend_scopes.pop(id(backend), None)
-
-    def close_backend(self, backend: diskq.DiskQueue, delete: bool = False) -> None:
-        scope = self._backend_scopes.pop(id(backend), None)
-        if scope is not None:
-            scope.cancel()
-        if delete:
-            backend.delete()
-        else:
-            backend.close()
-
-    def _import_go_queue(self, queue_name: str) -> None:
-        """Take over the backlog a Go nsqd left for this queue, then remove its files.
-
-        The messages are appended to our own queue and fsynced (by closing it)
-        before the Go files are deleted, so a crash in between duplicates at
-        worst and never loses.
-        """
-        backend = diskq.DiskQueue(queue_name, self.data_path, **self._disk_queue_options())
-        imported = 0
-        batch: list[bytes] = []
-        for data in goimport.iter_go_queue(queue_name, self.data_path,
-                                                 max_msg_size=self.options.max_msg_size + 64):
-            batch.append(message.from_go_message(data))
-            if len(batch) >= 1000:
-                backend.put_many(batch)
-                imported += len(batch)
-                batch = []
-        if batch:
-            backend.put_many(batch)
-            imported += len(batch)
-        backend.close()
-        goimport.remove_go_queue(queue_name, self.data_path)
-        log.info("imported Go nsqd queue", queue=queue_name, messages=imported)
-
-    # ------------------------------------------------------------ metadata
-    def metadata(self) -> dict:
-        topics = []
-        default = policy.topic_document(self.default_policy)
-        for topic in sorted(self.topics.values(), key=lambda t: t.name):
-            if topic.ephemeral:
-                continue
-            channels = [
-                {"name": c.name, "paused": c.paused, **({"policy": c.overrides} if c.overrides else {})}
-                for c in sorted(topic.channels.values(), key=lambda c: c.name)
-                if not c.ephemeral
-            ]
-            changed = policy.overrides(policy.topic_document(topic.policy), default)
-            topics.append({"channels": channels, "name": topic.name, "paused": topic.paused,
-                           **({"policy": changed} if changed else {})})
-        return {"topics": topics, "version": NSQD_VERSION, "last_message_id": self.guid.last}
-
-    def persist_metadata_soon(self) -> None:
-        if not self._loading:
-            self._metadata_dirty.set()
-
-    def save_metadata(self) -> None:
-        path = self.data_path / METADATA_FILE
-        tmp = path.with_name(f"{METADATA_FILE}.{os.getpid()}.tmp")
-        data = json.dumps(self.metadata(), separators=(",", ":")).encode()
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except OSError:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        dir_fd = os.open(self.data_path, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-
-    def load_metadata(self) -> None:
-        """Create the topics and channels of ``nsqd.dat``; one that is not what we (or Go nsqd)
-        write stops start-up with a :class:`MetadataError` saying what is wrong and what to do."""
-        path = self.data_path / METADATA_FILE
-        if not path.exists():
-            return
-        try:
-            data = _checked_metadata(path.read_bytes())
-        except ValueError as exc:
-            raise MetadataError(
-                f"{path} is not valid nsqd metadata ({exc}): move it aside to start without it (topics and "
-                f"channels come back on first use, their queued messages stay on disk) or restore it from a "
-                f"backup") from None
-        self.guid = GUIDFactory(self.options.node_id, floor=int(data.get("last_message_id", 0)) + 1)
-        self._loading = True
-        try:
-            for t in data.get("topics") or []:
-                topic = self.get_topic(t["name"])
-                topic.set_policy(policy.with_topic_changes(self.default_policy, t.get("policy") or {}))
-                for c in t.get("channels") or []:
-                    channel = topic.get_channel(c["name"], c.get("policy") or {})
-                    if c.get("paused"):
-                        channel.pause()
-                if t.get("paused"):
-                    topic.pause()
-        finally:
-            self._loading = False
-        log.info("metadata loaded", topics=len(self.topics), channels=len(self.channels()))
-
-    def _declare(self) -> None:
-        """Create the topics and channels the configuration declares (``--declare``)."""
-        for value in self.options.declare:
-            topic_name, _, channel_name = value.partition(":")
-            topic = self.get_topic(topic_name)
-            if channel_name:
-                topic.get_channel(channel_name)
-
-    async def _metadata_writer(self) -> None:
-        """Save nsqd.dat after changes (coalesced); on a disk failure retry, and report NOK meanwhile.
-
-        While storage is failing it also probes the disk queues' health: once
-        every queue and the metadata can be written again, /ping says OK.
-        """
-        while True:
-            if self.storage_error is None:
-                await self._metadata_dirty.wait()
-            else:
-                with trio.move_on_after(STORAGE_RETRY):
-                    await self._metadata_dirty.wait()
-            self._metadata_dirty = trio.Event()
-            try:
-                await trio.to_thread.run_sync(self.save_metadata)
-            except OSError as exc:
-                self._storage_failed(f"cannot save {self.data_path / METADATA_FILE}: {exc}")
-                self._metadata_dirty.set()
-                await trio.sleep(STORAGE_RETRY)
-                continue
-            if self.storage_error is not None:
-                failing = [q.failing for q in self.backends() if q.failing]
-                if failing:
-                    self._metadata_dirty.set()  # keep probing until the queues write again
-                else:
-                    self._storage_recovered()
-            await trio.sleep(0.05)  # coalesce bursts of changes
-
-    # ------------------------------------------------------------- loops
-    async def _backlog_mover(self) -> None:
-        """Hand topics' disk backlogs to their channels in bounded steps.
-
-        A durable topic's step is released only once the channels' copies are
-        fsynced; a step that could not be written (a full disk) is tried again
-        after a pause.
-        """
-        while True:
-            while not self._backlog:
-                await self._backlog_lot.park()
-            topic = self._backlog.popleft()
-            if topic.exiting:
-                continue
-            more, queues = topic.move_backlog()
-            if queues:
-                try:
-                    for queue in queues:
-                        if not queue.closed:
-                            await queue.wait_durable()
-                except diskq.DiskQueueError as exc:
-                    log.error("topic backlog step not yet durable", topic=topic.name, error=str(exc))
-                else:
-                    topic.backlog_moved()
-            if topic.stalled:
-                await trio.sleep(STORAGE_RETRY)
-            if (more or topic.stalled) and topic not in self._backlog:
-                self._backlog.append(topic)
-            await trio.sleep(0)
 
     async def _run_connections(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -528,207 +46,63 @@ class NSQD:
             task_status.started()
             await trio.sleep_forever()
 
-    # ------------------------------------------------------------ lifecycle
+    async def _apply_option_changes(self) -> None:
+        """Options changed at run time reach what uses them (the log level here; lookupd peers watch too)."""
+        seen = self.options_version
+        level = self.options.log_level
+        while True:
+            seen = await self.wait_options_changed(seen)
+            if self.options.log_level != level and structlog.is_configured():  # not when embedded
+                level = self.options.log_level
+                configure_logging(self.options)
+
     def request_shutdown(self) -> None:
         self._shutdown.set()
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        from amqp_gateway import serve_amqp
+
+        from .http_api import serve_http
         from .lookup import lookup_loop
-        from .queue_scan import queue_scan_loop
         from .statsd import statsd_loop
         from .tcp import serve_tcp
 
-        self._clock0 = trio.current_time()
-        self._wall0 = time.time_ns()
         log.info(version_string())
         log.info(f"ID: {self.options.node_id}")
-        self.data_path.mkdir(parents=True, exist_ok=True)
-        async with trio.open_nursery() as queues:
-            self._queues_nursery = queues
-            self.load_metadata()  # outside the try: a file we cannot read must not be overwritten on the way out
-            try:
-                self._declare()
-                async with trio.open_nursery() as services:
-                    await services.start(self._run_connections)
-                    host, port = split_host_port(self.options.tcp_address)
-                    with _bind_errors(self.options.tcp_address):
-                        tcp_listeners = await trio.open_tcp_listeners(port, host=host or None)
-                    self.tcp_addresses = [l.socket.getsockname()[:2] for l in tcp_listeners]
-                    await services.start(serve_tcp, self, tcp_listeners)
-                    _listening("TCP", self.tcp_addresses)
-                    if self.options.http_address:
-                        from .http_api import serve_http
-
-                        with _bind_errors(self.options.http_address):
-                            self.http_addresses = await services.start(serve_http, self, self.options.http_address)
-                        _listening("HTTP", self.http_addresses)
-                    if self.options.https_address and self.tls_context is not None:  # as Go: only with a cert
-                        from .http_api import serve_http
-
-                        with _bind_errors(self.options.https_address):
-                            self.https_addresses = await services.start(
-                                partial(serve_http, https=True), self, self.options.https_address)
-                        _listening("HTTPS", self.https_addresses)
-                    if self.options.amqp_address:
-                        from amqp_gateway import serve_amqp
-
-                        with _bind_errors(self.options.amqp_address):
-                            self.amqp_addresses = await services.start(serve_amqp, self, self.options.amqp_address)
-                        _listening("AMQP", self.amqp_addresses)
-                    services.start_soon(queue_scan_loop, self)
-                    services.start_soon(self._backlog_mover)
-                    services.start_soon(self._metadata_writer)
-                    services.start_soon(lookup_loop, self)
-                    services.start_soon(statsd_loop, self)
-                    for topic in self.topics.values():
-                        if topic.channels and topic.backend_depth:
-                            self._schedule_backlog(topic)
-                    self.ready.set()
-                    task_status.started(self)
-                    await self._shutdown.wait()
-                    await self._drain()
-                    for kind, addresses in (("TCP", self.tcp_addresses), ("HTTP", self.http_addresses),
-                                            ("HTTPS", self.https_addresses), ("AMQP", self.amqp_addresses)):
-                        for host, port in addresses:
-                            log.info(f"{kind}: closing {join_host_port(host, port)}")
-                    services.cancel_scope.cancel()
-            finally:
-                with trio.CancelScope(shield=True):
-                    await self._persist()
-                queues.cancel_scope.cancel()
-
-    async def _drain(self) -> None:
-        """Graceful drain: no new publishes, subscriptions or deliveries; consumers get
-        ``--shutdown-grace`` to finish what they hold (everything else is persisted)."""
-        self.draining = True
-        settled = trio.lowlevel.ParkingLot()
-        for channel in self.channels():
-            channel.draining = True
-            channel.on_settled = settled.unpark_all
-            for sub in list(channel.subscriptions.values()):
-                sub.consumer.drain()
-        in_flight = sum(c.in_flight_count for c in self.channels())
-        log.info("draining", in_flight=in_flight, grace=self.options.shutdown_grace)
-        with trio.move_on_after(self.options.shutdown_grace):
-            while sum(c.in_flight_count for c in self.channels()):
-                await settled.park()  # woken whenever a channel's in-flight messages are settled
-        left = sum(c.in_flight_count for c in self.channels())
-        log.info("drained", finished=in_flight - left, still_in_flight=left)
-
-    async def _persist(self) -> None:
-        """Write everything held in memory to the disk queues, close them, save metadata.
-
-        Each queue on its own and in steps, so a full disk costs only what
-        does not fit: what could not be written is tried again a few times
-        (``SHUTDOWN_RETRIES``, ``STORAGE_RETRY`` apart), then logged with how
-        many messages it loses; the rest is saved and the daemon exits 0.
-        """
-        pending: list[tuple[diskq.DiskQueue, list[bytes]]] = []
-        saved = failures = 0
-        for topic in list(self.topics.values()):
-            for holder in [*topic.channels.values(), topic]:
-                backend = holder.backend
-                if backend is None or backend.closed:
-                    continue
-                try:
-                    pending.append((backend, holder.shutdown_records()))
-                except diskq.DiskQueueError as exc:
-                    log.error("leased messages could not be written at shutdown", queue=backend.name, error=str(exc))
-                    pending.append((backend, []))
-        for attempt in range(SHUTDOWN_RETRIES):
-            left = []
-            for backend, records in pending:
-                written = _write_steps(backend, records)
-                saved += written
-                if written < len(records):
-                    left.append((backend, records[written:]))
-            if not left:
-                break
-            if attempt + 1 < SHUTDOWN_RETRIES:
-                await trio.sleep(STORAGE_RETRY)
-            pending = left
-        else:
-            for backend, records in pending:
-                failures += 1
-                log.error("messages held in memory could not be written at shutdown and are lost",
-                          queue=backend.name, lost=len(records), error=backend.failing)
-        for backend in self.backends():
-            if backend.closed:
-                continue
-            try:
-                self.close_backend(backend)
-            except diskq.DiskQueueError as exc:
-                failures += 1
-                log.error("queue could not be closed cleanly", queue=backend.name, error=str(exc))
-        try:
-            self.save_metadata()
-        except OSError as exc:
-            failures += 1
-            log.error("metadata could not be saved at shutdown", error=str(exc))
-        if failures:
-            log.error("state persisted with failures", messages=saved, failures=failures)
-        else:
-            log.info("state persisted", messages=saved)
-
-
-def _write_steps(backend: diskq.DiskQueue, records: list[bytes], step: int = 256) -> int:
-    """Write records in steps; returns how many were written before the disk refused."""
-    written = 0
-    while written < len(records):
-        try:
-            backend.put_many(records[written:written + step])
-        except diskq.DiskQueueError:
-            if step > 1:
-                step = 1  # squeeze in what still fits, one by one
-                continue
-            break
-        written += min(step, len(records) - written)
-    return written
-
-
-class MetadataError(Exception):
-    """``nsqd.dat`` cannot be used; the message is the whole story, for one log line."""
-
-
-def _checked_metadata(raw: bytes) -> dict:
-    """``nsqd.dat`` decoded, its shape checked; ValueError says what is wrong, briefly."""
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise ValueError(f"not JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError("not a JSON object")
-    last_id = data.get("last_message_id", 0)
-    if type(last_id) is not int or last_id < 0:
-        raise ValueError("last_message_id is not a number")
-    topics = data.get("topics") or []
-    if not isinstance(topics, list):
-        raise ValueError("topics is not a list")
-    for t in topics:
-        if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not is_valid_topic_name(t["name"]):
-            raise ValueError(f"bad topic entry {json.dumps(t)[:60]}")
-        channels = t.get("channels") or []
-        if not isinstance(channels, list):
-            raise ValueError(f"channels of topic {t['name']} is not a list")
-        for c in channels:
-            if not isinstance(c, dict) or not isinstance(c.get("name"), str) or not is_valid_channel_name(c["name"]):
-                raise ValueError(f"bad channel entry {json.dumps(c)[:60]} in topic {t['name']}")
-            _check_policy(c.get("policy"), f"channel {t['name']}:{c['name']}")
-        _check_policy(t.get("policy"), f"topic {t['name']}")
-    return data
-
-
-def _check_policy(document, owner: str) -> None:
-    if document is None:
-        return
-    if not isinstance(document, dict):
-        raise ValueError(f"policy of {owner} is not an object")
-    fields = policy.CHANNEL_FIELDS if owner.startswith("channel") else policy.TOPIC_FIELDS
-    for key, value in document.items():
-        if key not in fields or type(value) is not fields[key] or (type(value) is int and value < 0):
-            raise ValueError(f"policy of {owner} has a bad {key}")
-        if key == "overflow" and value not in OVERFLOW_POLICIES:
-            raise ValueError(f"policy of {owner} has a bad overflow")
+        async with self.running():
+            async with trio.open_nursery() as services:
+                await services.start(self._run_connections)
+                host, port = split_host_port(self.options.tcp_address)
+                with _bind_errors(self.options.tcp_address):
+                    tcp_listeners = await trio.open_tcp_listeners(port, host=host or None)
+                self.tcp_addresses = [l.socket.getsockname()[:2] for l in tcp_listeners]
+                await services.start(serve_tcp, self, tcp_listeners, self.connections_nursery)
+                _listening("TCP", self.tcp_addresses)
+                if self.options.http_address:
+                    with _bind_errors(self.options.http_address):
+                        self.http_addresses = await services.start(serve_http, self, self.options.http_address)
+                    _listening("HTTP", self.http_addresses)
+                if self.options.https_address and self.tls_context is not None:  # as Go: only with a cert
+                    with _bind_errors(self.options.https_address):
+                        self.https_addresses = await services.start(
+                            partial(serve_http, https=True), self, self.options.https_address)
+                    _listening("HTTPS", self.https_addresses)
+                if self.options.amqp_address:
+                    with _bind_errors(self.options.amqp_address):
+                        self.amqp_addresses = await services.start(serve_amqp, self, self.options.amqp_address)
+                    _listening("AMQP", self.amqp_addresses)
+                services.start_soon(lookup_loop, self)
+                services.start_soon(statsd_loop, self)
+                services.start_soon(self._apply_option_changes)
+                self.ready.set()
+                task_status.started(self)
+                await self._shutdown.wait()
+                await self.drain()
+                for kind, addresses in (("TCP", self.tcp_addresses), ("HTTP", self.http_addresses),
+                                        ("HTTPS", self.https_addresses), ("AMQP", self.amqp_addresses)):
+                    for host, port in addresses:
+                        log.info(f"{kind}: closing {join_host_port(host, port)}")
+                services.cancel_scope.cancel()
 
 
 @contextmanager

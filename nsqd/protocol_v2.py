@@ -39,7 +39,7 @@ from .version import NSQD_VERSION
 
 if TYPE_CHECKING:
     from .broker import Receipt
-    from .nsqd import NSQD
+    from .broker import Broker
 
 log = structlog.get_logger("nsqd.protocol")
 
@@ -255,7 +255,7 @@ def go_millis_ns(ms: int) -> int:
 class ProtocolV2:
     """Runs parsed commands for one client against the daemon."""
 
-    def __init__(self, nsqd: NSQD, client: ClientV2) -> None:
+    def __init__(self, nsqd: Broker, client: ClientV2) -> None:
         self.nsqd = nsqd
         self.client = client
         opts = nsqd.options

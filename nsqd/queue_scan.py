@@ -25,7 +25,7 @@ import trio
 
 if TYPE_CHECKING:
     from .channel import Channel
-    from .nsqd import NSQD
+    from .broker import Broker
 
 
 class WorkerPool:
@@ -64,7 +64,7 @@ def pool_size_for(channel_count: int, pool_max: int) -> int:
     return max(1, min(int(channel_count * 0.25), pool_max))
 
 
-async def queue_scan_loop(nsqd: NSQD, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def queue_scan_loop(nsqd: Broker, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     opts = nsqd.options
     selection = opts.queue_scan_selection_count
     work_send, work_recv = trio.open_memory_channel(selection)

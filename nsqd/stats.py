@@ -29,7 +29,7 @@ from .version import NSQD_VERSION, version_string
 
 if TYPE_CHECKING:
     from .channel import Channel
-    from .nsqd import NSQD
+    from .broker import Broker
     from .topic import Topic
 
 #: Go's ``omitempty``: the key is left out when the value is false/empty
@@ -162,7 +162,7 @@ class NSQDStats:
 
 
 def snapshot(
-    nsqd: NSQD,
+    nsqd: Broker,
     topic: str | None = None,
     channel: str | None = None,
     include_clients: bool = True,

@@ -18,7 +18,7 @@ from . import stats
 from .options import split_host_port
 
 if TYPE_CHECKING:
-    from .nsqd import NSQD
+    from .broker import Broker
 
 log = structlog.get_logger("nsqd.statsd")
 
@@ -97,7 +97,7 @@ def packets(lines: list[str], size: int) -> list[bytes]:
     return out
 
 
-async def statsd_loop(nsqd: NSQD) -> None:
+async def statsd_loop(nsqd: Broker) -> None:
     opts = nsqd.options
     if not opts.statsd_address:
         return

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import math
 import ssl
-from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 import structlog
@@ -42,64 +41,19 @@ from .client_v2 import ClientV2
 from .compression import DeflateStream, SnappyStream
 from .broker import PublishError
 from .protocol_v2 import HEARTBEAT, MAGIC_V2, ProtocolV2, Unconfirmed
+from .slots import LINGER
 from .write_turn import WriteTurn
 
 if TYPE_CHECKING:
-    from .nsqd import NSQD
+    from .broker import Broker
 
 log = structlog.get_logger("nsqd.tcp")
 
 RECEIVE_SIZE = 256 * 1024
 #: time a new connection has to send the protocol magic
 MAGIC_TIMEOUT = 10.0
-#: after a fatal error frame, the longest we wait for the client to hang up first
-LINGER = 1.0
-#: refused connections lingering at once; past this, they are closed without waiting
-MAX_REFUSING = 64
 _BAD_PROTOCOL = message.encode_error(b"E_BAD_PROTOCOL")
 _OK = message.encode_response(b"OK")
-
-
-class ConnectionSlots:
-    """The ``--max-connections`` budget, shared by NSQ TCP and AMQP clients (0: no limit).
-
-    A connection takes a slot when it is accepted and gives it back when it
-    ends; one that finds none is refused with its protocol's own error.
-    Refused connections linger (up to ``LINGER``) for the client to read that
-    error, but at most ``MAX_REFUSING`` of them at once, so a flood cannot use
-    up the descriptors kept free for HTTP; the others are closed right after
-    the error is written.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self.refusing = 0
-
-    def take(self) -> bool:
-        if self.limit and self.used >= self.limit:
-            return False
-        self.used += 1
-        return True
-
-    def give_back(self) -> None:
-        self.used -= 1
-
-    @asynccontextmanager
-    async def refusal(self, stream: trio.abc.Stream):
-        """Around a refused connection's farewell; yields how long it may linger, closes the stream."""
-        linger = LINGER if self.refusing < MAX_REFUSING else 0.0
-        self.refusing += 1
-        try:
-            with trio.move_on_after(LINGER + linger):
-                yield linger
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            pass
-        finally:
-            self.refusing -= 1
-            with trio.CancelScope(shield=True):
-                with trio.move_on_after(1):
-                    await stream.aclose()
 
 
 async def hang_up(stream: trio.SocketStream, linger: float = LINGER) -> None:
@@ -117,15 +71,16 @@ async def hang_up(stream: trio.SocketStream, linger: float = LINGER) -> None:
             pass
 
 
-async def serve_tcp(nsqd: NSQD, listeners, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Accept connections until cancelled; each runs in the handler nursery."""
+async def serve_tcp(nsqd: Broker, listeners, handlers: trio.Nursery, *,
+                    task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Accept connections until cancelled; each runs in the ``handlers`` nursery."""
     async with trio.open_nursery() as nursery:
         for listener in listeners:
-            nursery.start_soon(_accept_loop, nsqd, listener, nsqd.connections_nursery)
+            nursery.start_soon(_accept_loop, nsqd, listener, handlers)
         task_status.started()
 
 
-async def _accept_loop(nsqd: NSQD, listener: trio.SocketListener, handlers: trio.Nursery) -> None:
+async def _accept_loop(nsqd: Broker, listener: trio.SocketListener, handlers: trio.Nursery) -> None:
     slots = nsqd.connection_slots
     async with listener:
         while True:
@@ -141,7 +96,7 @@ async def _accept_loop(nsqd: NSQD, listener: trio.SocketListener, handlers: trio
                 handlers.start_soon(refuse_connection, nsqd, stream)
 
 
-async def handle_connection(nsqd: NSQD, stream: trio.SocketStream) -> None:
+async def handle_connection(nsqd: Broker, stream: trio.SocketStream) -> None:
     """Serve one connection (holding a connection slot); whatever goes wrong stays inside it."""
     remote = peer_address(stream)
     try:
@@ -158,7 +113,7 @@ async def handle_connection(nsqd: NSQD, stream: trio.SocketStream) -> None:
                 await stream.aclose()
 
 
-async def refuse_connection(nsqd: NSQD, stream: trio.SocketStream) -> None:
+async def refuse_connection(nsqd: Broker, stream: trio.SocketStream) -> None:
     """A client over ``--max-connections``: ``E_TOO_MANY_CONNECTIONS``, then hang up."""
     slots = nsqd.connection_slots
     log.warning("connection refused: too many connections", client=peer_address(stream), limit=slots.limit)
@@ -168,7 +123,7 @@ async def refuse_connection(nsqd: NSQD, stream: trio.SocketStream) -> None:
         await hang_up(stream, linger)
 
 
-async def _serve(nsqd: NSQD, stream: trio.SocketStream, remote: str) -> None:
+async def _serve(nsqd: Broker, stream: trio.SocketStream, remote: str) -> None:
     magic = None
     with trio.move_on_after(MAGIC_TIMEOUT):
         magic = await _receive_exactly(stream, 4)
@@ -211,7 +166,7 @@ def peer_address(stream: trio.SocketStream) -> str:
 
 
 class Connection:
-    def __init__(self, nsqd: NSQD, stream: trio.SocketStream, client: ClientV2) -> None:
+    def __init__(self, nsqd: Broker, stream: trio.SocketStream, client: ClientV2) -> None:
         self.nsqd = nsqd
         self.stream = stream
         self.client = client

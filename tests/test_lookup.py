@@ -5,6 +5,7 @@ import struct
 
 import trio
 
+from .conftest import HTTPClient
 from .support import NSQConnection, running_nsqd, tcp_port
 
 
@@ -113,4 +114,31 @@ async def test_registers_topics_and_channels_and_follows_changes(tmp_path):
             await lookupd.streams[0].aclose()
             lookupd.registrations.clear()
             await lookupd.wait_for(lambda: lookupd.connections == 2 and {("a", ""), ("a", "x")} <= lookupd.registrations)
+        nursery.cancel_scope.cancel()
+
+
+async def test_lookupd_addresses_changed_at_run_time_are_followed(tmp_path):
+    """PUT /config/nsqlookupd_tcp_addresses: the daemon registers with the new ones and leaves the old."""
+    first, second = Lookupd(), Lookupd()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(first.serve)
+        await nursery.start(second.serve)
+        async with running_nsqd(tmp_path, http_address="127.0.0.1:0") as nsqd:
+            nsqd.get_topic("t").get_channel("c")
+            http = HTTPClient(nsqd.http_addresses[0][1])
+            response = await http.put("/config/nsqlookupd_tcp_addresses",
+                                      json.dumps([f"127.0.0.1:{first.port}"]).encode())
+            assert response.status == 200
+            await first.wait_for(lambda: {("t", ""), ("t", "c")} <= first.registrations)
+            response = await http.put("/config/nsqlookupd_tcp_addresses",
+                                      json.dumps([f"127.0.0.1:{second.port}"]).encode())
+            assert response.json() == [f"127.0.0.1:{second.port}"]
+            await second.wait_for(lambda: {("t", ""), ("t", "c")} <= second.registrations)
+            with trio.fail_after(5):  # the first lookupd's connection is closed
+                try:
+                    while await first.streams[0].receive_some(100):
+                        pass
+                except trio.ClosedResourceError:
+                    pass  # its handler saw the end already
+            assert first.connections == 1
         nursery.cancel_scope.cancel()
