@@ -19,13 +19,25 @@ and mirrors nsqd's design so the scan behaves the same under load.
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
 if TYPE_CHECKING:
     from .channel import Channel
-    from .broker import Broker
+    from .options import Options
+
+
+class ScannedDaemon(Protocol):
+    """What the scan loop reads from the daemon (the core passes itself)."""
+
+    options: Options
+    channels_version: int
+    queue_scan_pool: WorkerPool
+
+    def channels(self) -> list[Channel]: ...
+
+    def now_ns(self) -> int: ...
 
 
 class WorkerPool:
@@ -64,7 +76,7 @@ def pool_size_for(channel_count: int, pool_max: int) -> int:
     return max(1, min(int(channel_count * 0.25), pool_max))
 
 
-async def queue_scan_loop(nsqd: Broker, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def queue_scan_loop(nsqd: ScannedDaemon, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     opts = nsqd.options
     selection = opts.queue_scan_selection_count
     work_send, work_recv = trio.open_memory_channel(selection)
