@@ -64,6 +64,8 @@ class ClientV2:
         self.pub_counts: dict[str, int] = {}
         # output: frames waiting for the connection's next write
         self.out: list[bytes] = []
+        #: a frame other than a message is waiting (a response, an error, a heartbeat): write at once
+        self.flush_now = False
         self.exit_requested = False
         #: set by the I/O layer: wake the task that writes to this client
         self.on_wake: Callable[[], None] = _noop
@@ -102,7 +104,23 @@ class ClientV2:
         """Shutdown: tell the client to finish and close, as nsqd answers CLS."""
         if self.state == STATE_SUBSCRIBED:
             self.out.append(_CLOSE_WAIT)
+            self.flush_now = True
             self.on_wake()
+
+    def holds_output(self) -> bool:
+        """Go nsqd's buffered writer: whether the messages in :attr:`out` may wait for more.
+
+        They may while the output buffer (``output_buffer_size``, negotiated in
+        IDENTIFY) is not full, no other frame waits, and the client is ready
+        for more (in flight < RDY); the writer sends them at the latest
+        ``output_buffer_timeout`` after the first of them (0: never waits).
+        """
+        if self.flush_now or self.output_buffer_timeout_ns <= 0:
+            return False
+        sub = self.sub
+        if sub is None or self.state != STATE_SUBSCRIBED or sub.in_flight_count >= self.budget.limit:
+            return False
+        return sum(map(len, self.out)) < self.output_buffer_size
 
     def timed_out(self, count: int) -> None:
         """Nothing to do: the channel counts timeouts on the subscription."""

@@ -301,6 +301,14 @@ class ProtocolV2:
         self._run(commands, now_ns)
 
     def _run(self, commands: list[tuple[bytes, list, bytes | None]], now_ns: int) -> None:
+        """Run commands; whatever they answer must be written at once (not held like messages)."""
+        client = self.client
+        answered = len(client.out)
+        self._run_commands(commands, now_ns)
+        if len(client.out) != answered:
+            client.flush_now = True
+
+    def _run_commands(self, commands: list[tuple[bytes, list, bytes | None]], now_ns: int) -> None:
         client = self.client
         for index, (name, params, body) in enumerate(commands):
             out = self.held if self.held else client.out
@@ -456,6 +464,7 @@ class ProtocolV2:
     def auth_done(self, state, error: str | None) -> None:
         """The I/O layer's answer to a pending ("auth",) step."""
         client = self.client
+        client.flush_now = True
         first = client.auth_state is None
         if error is not None or state is None:
             log.warning("AUTH failed", client=client.remote_address, error=error)

@@ -174,6 +174,8 @@ class Connection:
         self._lot = trio.lowlevel.ParkingLot()
         self._turn = WriteTurn()
         self._cancel_scope = trio.CancelScope()
+        #: when the messages waiting in the output buffer were first held (None: nothing held)
+        self._held_since: float | None = None
         client.on_wake = self._lot.unpark_all
 
     async def run(self, initial: bytes) -> None:
@@ -245,15 +247,16 @@ class Connection:
         last_heartbeat = trio.current_time()
         while True:
             hb = client.heartbeat_interval_ns / 1e9
-            if hb > 0:
-                with trio.move_on_at(last_heartbeat + hb):
-                    await self._lot.park()
-                now = trio.current_time()
-                if now >= last_heartbeat + hb:
-                    client.out.append(HEARTBEAT)
-                    last_heartbeat = now
-            else:
+            wake_at = last_heartbeat + hb if hb > 0 else math.inf
+            if self._held_since is not None:  # messages wait in the output buffer: send them by then
+                wake_at = min(wake_at, self._held_since + client.output_buffer_timeout_ns / 1e9)
+            with trio.move_on_at(wake_at):
                 await self._lot.park()
+            now = trio.current_time()
+            if hb > 0 and now >= last_heartbeat + hb:
+                client.out.append(HEARTBEAT)
+                client.flush_now = True
+                last_heartbeat = now
             if client.exit_requested:
                 self._cancel_scope.cancel()
                 return
@@ -279,6 +282,7 @@ class Connection:
             else:
                 frames.append(item)
         self.client.out.extend(frames)
+        self.client.flush_now = True
 
     async def _perform(self, step: tuple) -> None:
         """One async step a command asked for: a stream upgrade or an auth query."""
@@ -320,7 +324,12 @@ class Connection:
             self.protocol.auth_done(state, None)
 
     async def _flush(self, wait: bool) -> None:
-        """Fill from the channel and write everything pending, one send per round."""
+        """Fill from the channel and write what is pending, one send per round.
+
+        Messages alone may wait, as in nsqd's buffered writer, until the
+        output buffer is full, the client is not ready for more, another frame
+        must go, or ``output_buffer_timeout`` passed (the pump wakes for it).
+        """
         if not await self._turn.take(wait):
             return
         client = self.client
@@ -329,9 +338,19 @@ class Connection:
             while True:
                 client.fill(self.nsqd.now_ns())
                 if not out:
+                    self._held_since = None
                     return
+                if client.holds_output():
+                    now = trio.current_time()
+                    if self._held_since is None:
+                        self._held_since = now
+                        self._lot.unpark_all()  # the pump learns when to send them
+                    if now < self._held_since + client.output_buffer_timeout_ns / 1e9:
+                        return
                 data = b"".join(out)
                 out.clear()
+                client.flush_now = False
+                self._held_since = None
                 hb = client.heartbeat_interval_ns
                 with trio.fail_after(hb / 1e9 if hb > 0 else math.inf):
                     await self.stream.send_all(data)

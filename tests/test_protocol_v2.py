@@ -357,3 +357,27 @@ async def test_full_topic_refuses_publishes_while_others_accept(tmp_path):
         with trio.fail_after(2):
             while not nsqd.topics["small"].accepting:
                 await trio.sleep(0.01)
+
+
+async def test_output_buffer_settings_batch_messages_as_nsqd_does(tmp_path):
+    """Messages wait in the output buffer until it fills, the client is not ready, or the timeout."""
+    async with running_nsqd(tmp_path) as nsqd:
+        pub = await NSQConnection.open(tcp_port(nsqd))
+        buffered = await NSQConnection.open(tcp_port(nsqd))
+        await buffered.identify(output_buffer_timeout=1000, output_buffer_size=64 * 1024)
+        await buffered.sub("t", "buffered")
+        await buffered.command("RDY 100")
+        direct = await NSQConnection.open(tcp_port(nsqd))
+        await direct.identify(output_buffer_size=-1)  # no buffering
+        await direct.sub("t", "direct")
+        await direct.command("RDY 100")
+        start = trio.current_time()
+        await pub.pub("t", b"one")
+        assert (await direct.read_message(timeout=0.5)).body == b"one"
+        assert trio.current_time() - start < 0.5
+        msg = await buffered.read_message(timeout=3)  # held until the 1 s timeout
+        assert msg.body == b"one" and trio.current_time() - start >= 0.9
+        await pub.mpub("t", [b"x" * 1000] * 80)  # 80 KB: the buffer fills and is written at once
+        start = trio.current_time()
+        got = [await buffered.read_message(timeout=3) for _ in range(64)]
+        assert trio.current_time() - start < 0.5 and len(got) == 64
