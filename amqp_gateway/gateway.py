@@ -1,7 +1,7 @@
 """One AMQP connection bound to the daemon: engine events in, topic and channel calls out.
 
 Still no I/O here: the server feeds :meth:`GatewayConnection.receive_data`,
-calls :meth:`fill` before every write and :meth:`poll_publishers` on a timer,
+calls :meth:`fill` before every write and :meth:`poll_publishers` when woken,
 and writes ``engine.output``. Links become :class:`~consumer.LinkConsumer`
 (the client receives from ``/topics/<t>/channels/<c>``) or
 :class:`~publisher.LinkPublisher` (the client sends to ``/topics/<t>``);
@@ -250,7 +250,7 @@ class GatewayConnection:
             self.nsqd.declare(topic_name)
         except SubscribeError as exc:
             raise LinkRefused(RESOURCE_DELETED, f"cannot publish: {exc}") from None
-        publisher = LinkPublisher(link, topic_name, self.nsqd, self.pub_counts)
+        publisher = LinkPublisher(link, topic_name, self.nsqd, self.pub_counts, self._wake)
         self.publishers[link] = publisher
         link.attach(attach.source, Target(target.address), snd_settle_mode=attach.snd_settle_mode,
                     rcv_settle_mode=RCV_FIRST)

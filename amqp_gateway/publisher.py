@@ -8,9 +8,11 @@ last room can be).
 
 When the topic is full the link simply runs out of credit: the other links
 of the connection and session keep their own credit, so one full topic never
-slows publishing elsewhere or consuming on the same connection. The
-connection looks at starved links again (``POLL_INTERVAL``) and tops them up
-as soon as the topic takes messages again.
+slows publishing elsewhere or consuming on the same connection. A starved
+link asks the daemon to wake its connection as soon as the topic may take
+messages again (messages left a queue, a limit changed) and is topped up
+then; the connection also looks again every ``POLL_INTERVAL`` (a safety net
+for the disk budget, which is sampled).
 
 All complete deliveries that arrived in a row on the link become one
 publish through the daemon's one publish path; unsettled ones are answered
@@ -21,7 +23,7 @@ reason. Pre-settled deliveries are at-most-once: a failure is only logged.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import structlog
 
@@ -41,8 +43,8 @@ if TYPE_CHECKING:
 log = structlog.get_logger("amqp_gateway.publisher")
 
 PUBLISH_CREDIT = 170
-#: seconds between looks at a full topic whose links are out of credit
-POLL_INTERVAL = 0.05
+#: seconds between looks at a full topic whose links are out of credit, besides the wake-ups
+POLL_INTERVAL = 1.0
 #: bytes of non-body sections a message may carry on top of --max-msg-size
 SECTIONS_ALLOWANCE = 64 * 1024
 
@@ -68,8 +70,10 @@ class Pending:
 
 
 class LinkPublisher:
-    def __init__(self, link: Link, topic_name: str, nsqd: Broker, pub_counts: dict[str, int]) -> None:
+    def __init__(self, link: Link, topic_name: str, nsqd: Broker, pub_counts: dict[str, int],
+                 wake: Callable[[], None]) -> None:
         self.link = link
+        self._wake = wake
         self.topic_name = topic_name
         self.nsqd = nsqd
         self.pub_counts = pub_counts
@@ -90,7 +94,9 @@ class LinkPublisher:
         else:
             credit = PUBLISH_CREDIT if room is None or room <= 0 else min(PUBLISH_CREDIT, room)
         self.starved = credit <= link.credit
-        if not self.starved:
+        if self.starved:
+            self.nsqd.when_room(self.topic_name, self._wake)
+        else:
             link.flow(credit)
 
     def publish(self, deliveries: list[IncomingDelivery]) -> Pending | None:

@@ -6,8 +6,9 @@ reader receives up to 256 KiB, feeds the gateway (engine and daemon calls;
 asks the auth servers when the gateway needs them (a login, an expired
 authorization; it reads nothing more meanwhile) and writes what that
 produced; the pump sleeps until a channel wakes a consuming link, a
-heartbeat is due or a publishing link starved by a full topic should look
-again (every ``POLL_INTERVAL``). Whichever task writes first fills one batch
+heartbeat is due or a publishing link starved by a full topic may be topped
+up (the daemon wakes it when room is made; ``POLL_INTERVAL`` is the safety
+net). Whichever task writes first fills one batch
 per consuming link and sends everything pending with one ``send_all``, round
 after round until nothing is left; the other never waits for a lock: the
 pump leaves writing to the active writer (which refills before it stops),

@@ -258,6 +258,12 @@ class Broker:
             self._storage_failed(str(exc))
             raise SubscribeError(f"cannot open storage: {exc}") from None
 
+    def when_room(self, topic_name: str, notify: Callable[[], None]) -> None:
+        """Call ``notify`` once, as soon as a topic that refused publishes may take some again."""
+        topic = self.topics.get(topic_name)
+        if topic is not None:
+            topic.when_room(notify)
+
     def publish_room(self, topic_name: str) -> tuple[bool, int | None]:
         """Whether a topic takes publishes now, and how many more its limits allow (None: no limit)."""
         if self.draining:

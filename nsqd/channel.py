@@ -122,6 +122,8 @@ class Channel:
         self.draining = False
         #: called whenever in-flight messages are settled (the shutdown drain waits on it)
         self.on_settled: Callable[[], None] | None = None
+        #: called once, the next time messages leave the queue (publishers wait for room on it)
+        self.on_room: Callable[[], None] | None = None
         self.subscriptions: dict[int, Subscription] = {}
         self._on_last_consumer_gone = on_last_consumer_gone
         self._chunks: deque[Piece] = deque()
@@ -382,7 +384,14 @@ class Channel:
                 break
         if want > 0:
             self._hungry[sub] = None
+        if pieces and self.on_room is not None:
+            self._room_made()
         return pieces
+
+    def _room_made(self) -> None:
+        notify, self.on_room = self.on_room, None
+        if notify is not None:
+            notify()
 
     def _take_some(self, want: int, pieces: list[Piece], now_ns: int) -> int:
         taken = 0
@@ -590,6 +599,7 @@ class Channel:
         self.dropped_count += dropped
         if self.failed or self.released:
             self.forget([i for ids, _, _ in pieces for i in ids])
+        self._room_made()
 
     def _defer(self, frame: bytes, due_ns: int, pos: int | None) -> None:
         backend = self.backend
@@ -652,6 +662,7 @@ class Channel:
         self.policy = policy
         if overrides is not None:
             self.overrides = dict(overrides)
+        self._room_made()
 
     def pause(self) -> None:
         self.paused = True
@@ -675,6 +686,7 @@ class Channel:
         self._revised.clear()
         if self.backend is not None:
             self.backend.empty()
+        self._room_made()
 
     # -------------------------------------------------------- durability
     def _kept(self) -> tuple[list, int]:

@@ -87,6 +87,8 @@ class Topic:
         self._retry: list[tuple[bytes, int]] = []
         #: the last backlog step could not be written (a full disk): the mover waits before the next
         self.stalled = False
+        #: called once when room may have been made (publishers starved by a limit wait on it)
+        self._room_waiters: list[Callable[[], None]] = []
         self.message_count = 0
         self.message_bytes = 0
         self.dropped_count = 0
@@ -128,6 +130,7 @@ class Topic:
             self.channels[name] = channel
             self._on_channels_changed(self)
             self._release_backlog()
+            self._room_made()
         return channel
 
     def delete_channel(self, name: str) -> None:
@@ -139,6 +142,7 @@ class Topic:
         if channel.backend is not None:
             channel.backend.delete()
         self._on_channels_changed(self)
+        self._room_made()
         if not self.channels and self.ephemeral:
             self._on_last_channel_gone(self)
 
@@ -151,6 +155,20 @@ class Topic:
         self.policy = policy
         for channel in self.channels.values():
             channel.set_policy(with_channel_changes(policy.channel, channel.overrides))
+        self._room_made()
+
+    def when_room(self, notify: Callable[[], None]) -> None:
+        """Call ``notify`` once, as soon as room may have been made (messages left a queue, a limit changed)."""
+        self._room_waiters.append(notify)
+        for channel in self.channels.values():
+            channel.on_room = self._room_made
+
+    def _room_made(self) -> None:
+        waiters, self._room_waiters = self._room_waiters, []
+        for channel in self.channels.values():
+            channel.on_room = None
+        for notify in waiters:
+            notify()
 
     # ------------------------------------------------------------ limits
     def room(self) -> int | None:
@@ -369,6 +387,11 @@ class Topic:
 
     # -------------------------------------------------------------- admin
     def take_backlog(self, count: int) -> list[bytes]:
+        frames = self._take_backlog(count)
+        self._room_made()
+        return frames
+
+    def _take_backlog(self, count: int) -> list[bytes]:
         """Remove up to ``count`` of the topic's own backlog (oldest first), as frames."""
         frames: list[bytes] = []
         while len(frames) < count and self._chunks:
@@ -402,6 +425,7 @@ class Topic:
         self._moving.clear()
         if self.backend is not None:
             self.backend.empty()
+        self._room_made()
 
     def shutdown_records(self) -> list[bytes]:
         """Shutdown: the disk records of the memory backlog."""

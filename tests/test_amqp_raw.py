@@ -467,3 +467,22 @@ async def test_shutdown_stops_deliveries_then_closes_with_connection_forced(tmp_
         assert client.take(ev.LinkFlow, link) and link.available == 0   # told while the daemon drained
         (closed,) = client.take(ev.ConnectionClosed)
         assert closed.error.condition == "amqp:connection:forced"
+
+
+async def test_a_starved_publisher_is_woken_when_room_is_made_not_polled(tmp_path):
+    async with gateway(tmp_path, channel_max_messages=10) as nsqd:
+        nsqd.declare("full", "c")
+        client = await Client.connect(nsqd.amqp_port)
+        sender = await client.attach(p.SENDER, "/topics/full")
+        await client.until(lambda: sender.credit > 0)
+        assert sender.credit == 10  # the room the limit leaves
+        for i in range(10):
+            sender.send_transfers([b"t%d" % i], [encode_message(Message(body=[Data(b"%d" % i)]))], False)
+        await client.flush()
+        await client.for_a_while(0.2)
+        assert sender.credit == 0 and nsqd.topics["full"].channels["c"].depth == 10
+        nsqd.topics["full"].channels["c"].drop_oldest(5)  # room for five
+        with trio.fail_after(0.5):  # well before the POLL_INTERVAL safety net (1 s)
+            while sender.credit == 0:
+                await client.read()
+        assert sender.credit == 5
