@@ -679,7 +679,7 @@ class Channel:
         self._deferred.clear()
         self._deferred_on_disk = 0
         for sub in self.subscriptions.values():
-            sub.in_flight.map.clear()
+            sub.in_flight.clear()
         self.leases.clear()
         self.failed.clear()
         self.released.clear()

@@ -16,7 +16,6 @@ messages are finished, so a crash delivers them again instead of losing them.
 
 from __future__ import annotations
 
-from collections import Counter
 from itertools import islice
 
 from .message import frame_id
@@ -57,10 +56,12 @@ class Delivery:
 class InFlight:
     """Messages delivered to one holder and not yet finished, in deadline order."""
 
-    __slots__ = ("map",)
+    __slots__ = ("map", "deliveries")
 
     def __init__(self) -> None:
         self.map: dict[bytes, Delivery] = {}
+        #: the deliveries made, oldest first; those with nothing left in flight are dropped by :meth:`kept`
+        self.deliveries: list[Delivery] = []
 
     def __len__(self) -> int:
         return len(self.map)
@@ -69,7 +70,10 @@ class InFlight:
         return msg_id in self.map
 
     def add(self, ids: list[bytes], frames: list[bytes], positions, deadline: int, now: int) -> None:
-        self.map.update(dict.fromkeys(ids, Delivery(deadline, now, ids, frames, positions)))
+        delivery = Delivery(deadline, now, ids, frames, positions)
+        self.map.update(dict.fromkeys(ids, delivery))
+        if positions is not None:
+            self.deliveries.append(delivery)
 
     def add_items(self, items: list[Item], deadline: int, now: int) -> None:
         """Add messages taken out earlier (a reopened lease, a restart), in order.
@@ -103,7 +107,10 @@ class InFlight:
             return False
         frame, pos = delivery.item(msg_id)
         deadline = min(now + timeout, delivery.delivered_at + max_timeout)
-        self.map[msg_id] = Delivery(deadline, delivery.delivered_at, [msg_id], [frame], None if pos is None else (pos,))
+        self.map[msg_id] = touched = Delivery(deadline, delivery.delivered_at, [msg_id], [frame],
+                                              None if pos is None else (pos,))
+        if pos is not None:
+            self.deliveries.append(touched)
         return True
 
     def next_deadline(self) -> int | None:
@@ -127,54 +134,46 @@ class InFlight:
         """Remove and return every message, in delivery order."""
         items = [delivery.item(msg_id) for msg_id, delivery in self.map.items()]
         self.map.clear()
+        self.deliveries = []
         return items
+
+    def clear(self) -> None:
+        self.map.clear()
+        self.deliveries = []
 
     def peek(self, count: int) -> list[tuple[bytes, int]]:
         """``(id, deadline)`` of the first ``count`` messages, for stats and tests."""
         return [(msg_id, d.deadline) for msg_id, d in islice(self.map.items(), count)]
 
     def kept(self, note: object, singles: bool = False) -> tuple[list[tuple[int, int, object]], int]:
-        """Disk intervals of the messages still in flight, each with ``note``; and their count.
+        """Disk intervals of the deliveries that still have a message in flight, with ``note``.
 
         A delivery whose messages are neighbours on disk (``positions`` is a
-        list) and all still in flight is one interval; otherwise each maximal
-        run of neighbours still in flight is one. Scattered messages
-        (``positions`` a tuple), or every message with ``singles``, are one
-        interval each.
+        list) is one interval, even when some of its messages were finished
+        already: after a crash those come back too (at-least-once), and the
+        snapshot stays a few entries per delivery instead of one per message.
+        Scattered messages (``positions`` a tuple), or every message with
+        ``singles``, are one interval each. Returns the intervals and how many
+        messages they cover.
         """
-        live = Counter(map(id, self.map.values()))
-        if not live:
-            return [], 0
         out: list[tuple[int, int, object]] = []
         count = 0
-        seen: set[int] = set()
         contains = self.map.__contains__
-        for delivery in self.map.values():
-            key = id(delivery)
-            if key in seen:
-                continue
-            seen.add(key)
+        live: list[Delivery] = []
+        for delivery in self.deliveries:
+            if not any(map(contains, delivery.ids)):
+                continue  # every message of it is finished: forget it
+            live.append(delivery)
             positions = delivery.positions
             if positions is None:
                 continue
-            alive = live[key]
-            count += alive
-            scattered = singles or type(positions) is not list
-            if alive == len(positions) and not scattered:
+            if singles or type(positions) is not list:
+                held = [(pos, pos, note) for msg_id, pos in zip(delivery.ids, positions)
+                        if self.map.get(msg_id) is delivery]
+                out += held
+                count += len(held)
+            else:
                 out.append((positions[0], positions[-1], note))
-                continue
-            start = previous = None
-            for msg_id, pos in zip(delivery.ids, positions):
-                if contains(msg_id) and self.map[msg_id] is delivery:
-                    if scattered:
-                        out.append((pos, pos, note))
-                    elif start is None:
-                        start = previous = pos
-                    else:
-                        previous = pos
-                elif start is not None:
-                    out.append((start, previous, note))
-                    start = None
-            if start is not None:
-                out.append((start, previous, note))
+                count += len(positions)
+        self.deliveries = live
         return out, count

@@ -154,5 +154,5 @@ class Leases:
 
     def clear(self) -> None:
         for lease in list(self.by_name.values()):
-            lease.in_flight.map.clear()
+            lease.in_flight.clear()
             self._drop(lease)

@@ -107,12 +107,20 @@ def load_metadata(path: Path) -> Metadata | None:
     return decode_metadata(data)
 
 
-def save_metadata(path: Path, meta: Metadata) -> None:
-    """Replace the metadata file atomically and durably."""
+def save_metadata(path: Path, meta: Metadata, durable: bool = True) -> None:
+    """Replace the metadata file atomically; with ``durable``, also fsync it and the directory.
+
+    Checkpoints save without fsync: the new file survives a crash of the
+    process, and after a power loss an older (or unreadable) one only means
+    that records finished since then are delivered again, never that one is
+    lost (the metadata is a hint: recovery checks it against the files).
+    """
     temporary = path.with_name(path.name + ".tmp")
     with open(temporary, "wb") as stream:
         stream.write(encode_metadata(meta))
-        stream.flush()
-        os.fsync(stream.fileno())
+        if durable:
+            stream.flush()
+            os.fsync(stream.fileno())
     os.replace(temporary, path)
-    fsync_directory(path.parent)
+    if durable:
+        fsync_directory(path.parent)

@@ -463,8 +463,9 @@ class DiskQueue:
             self._checkpoint_due = False
             self._last_checkpoint = trio.current_time()
         plan = self._plan(checkpoint)
+        plan.together = not commit.waiters
         try:
-            await trio.to_thread.run_sync(sync.execute, plan, self._files, self._gate)
+            save_error = await trio.to_thread.run_sync(sync.execute, plan, self._files, self._gate)
         except OSError as exc:
             self._writer.directory_changed |= plan.sync_directory
             if plan.metadata is not None:
@@ -481,7 +482,8 @@ class DiskQueue:
         commit.finish(None)
         if plan.metadata is None:
             return
-        save_error = await trio.to_thread.run_sync(sync.checkpoint, plan, self._files, self._gate)
+        if not plan.together:
+            save_error = await trio.to_thread.run_sync(sync.checkpoint, plan, self._files, self._gate)
         if save_error is not None:
             self._metadata_dirty = True
             self.failing = self._last_error = f"disk queue {self.name!r}: cannot save metadata: {save_error}"
@@ -491,9 +493,10 @@ class DiskQueue:
 
     def _plan(self, checkpoint: bool) -> sync.SyncPlan:
         writer = self._writer
+        unsynced = self._put_count > self._durable_count
         plan = sync.SyncPlan(
             generation=self._gate.generation,
-            fds=writer.unsynced_fds(),
+            fds=writer.unsynced_fds() if unsynced else list(writer.retired),
             retired=list(writer.retired),
             sync_directory=writer.directory_changed,
         )
@@ -590,7 +593,7 @@ class DiskQueue:
                     os.fdatasync(fd)
                 meta = self._snapshot()
                 released = list(range(self._oldest_segment, min(meta.release[0], self._writer.segment)))
-                save_error = sync.save_and_release(self._files, meta, released)
+                save_error = sync.save_and_release(self._files, meta, released, durable=True)
                 if save_error is not None:
                     raise save_error
             except OSError as exc:

@@ -132,12 +132,11 @@ class SegmentReader:
         while len(out) < max_count:
             chunk = self._chunk
             start = self.offset - self._chunk_start
-            mark = None
-            if positions is not None:
-                base = position(self.segment, self._chunk_start)
-                mark = lambda offset: positions.append(base + offset)  # noqa: E731
-            offset, _, outcome = parse_records(
-                chunk, start, max_count - len(out), self._min_size, self._max_size, out.append, mark)
+            offsets: list[int] | None = None if positions is None else []
+            offset, _, outcome = parse_records(chunk, start, max_count - len(out), self._min_size, self._max_size,
+                                               out.append, None if offsets is None else offsets.append)
+            if offsets:
+                positions += map(position(self.segment, self._chunk_start).__add__, offsets)
             self.offset = self._chunk_start + offset
             if outcome is Outcome.COUNT_REACHED:
                 return

@@ -35,18 +35,27 @@ class SyncPlan:
     sync_directory: bool
     metadata: Metadata | None = None
     consumed: list[int] = field(default_factory=list)
+    together: bool = False
+    """Save the checkpoint in the same trip as the fsync (no waiter to release first)."""
     """Fully read segments, removed once ``metadata`` (which no longer points at them) is saved."""
 
 
-def execute(plan: SyncPlan, files: QueueFiles, gate: SyncGate) -> None:
-    """Make the plan's data durable; raises OSError. Does nothing if its descriptors were closed."""
+def execute(plan: SyncPlan, files: QueueFiles, gate: SyncGate) -> OSError | None:
+    """Make the plan's data durable; raises OSError. Does nothing if its descriptors were closed.
+
+    A plan whose round nobody waits for also saves its checkpoint here (one
+    trip to the worker thread); the save's error is returned.
+    """
     with gate.lock:
         if plan.generation != gate.generation:
-            return
+            return None
         for fd in plan.fds:
             os.fdatasync(fd)
         if plan.sync_directory:
             fsync_directory(files.directory)
+        if plan.metadata is not None and plan.together:
+            return save_and_release(files, plan.metadata, plan.consumed)
+    return None
 
 
 def checkpoint(plan: SyncPlan, files: QueueFiles, gate: SyncGate) -> OSError | None:
@@ -62,7 +71,8 @@ def checkpoint(plan: SyncPlan, files: QueueFiles, gate: SyncGate) -> OSError | N
         return save_and_release(files, plan.metadata, plan.consumed)
 
 
-def save_and_release(files: QueueFiles, metadata: Metadata, released: list[int]) -> OSError | None:
+def save_and_release(files: QueueFiles, metadata: Metadata, released: list[int],
+                     durable: bool = False) -> OSError | None:
     """Save the metadata, then delete the released segments; returns the save's error.
 
     Saving first means a crash never leaves metadata pointing at a deleted
@@ -72,13 +82,13 @@ def save_and_release(files: QueueFiles, metadata: Metadata, released: list[int])
     space that lets the disk recover.
     """
     try:
-        save_metadata(files.metadata_path, metadata)
+        save_metadata(files.metadata_path, metadata, durable)
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             return exc
         _unlink_segments(files, released)
         try:
-            save_metadata(files.metadata_path, metadata)
+            save_metadata(files.metadata_path, metadata, durable)
         except OSError as again:
             return again
         return None
