@@ -159,7 +159,13 @@ class Driver:
         self._turn = WriteTurn()
         self._last_send = trio.current_time()
         self._heartbeats = False
-        gateway.on_wake = self._lot.unpark_all
+        #: a wake-up that came while the pump was busy: it must not wait for the next one
+        self._woken = False
+        gateway.on_wake = self._wake
+
+    def _wake(self) -> None:
+        self._woken = True
+        self._lot.unpark_all()
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
@@ -242,8 +248,10 @@ class Driver:
             heartbeat_at = self._last_send + peer_idle / 2 if peer_idle else math.inf
             wake_at = min(heartbeat_at, trio.current_time() + POLL_INTERVAL if gateway.publishers_starved
                           else math.inf)
-            with trio.move_on_at(wake_at):
-                await self._lot.park()
+            if not self._woken:
+                with trio.move_on_at(wake_at):
+                    await self._lot.park()
+            self._woken = False
             if trio.current_time() >= heartbeat_at and not engine.close_sent:
                 engine.heartbeat()
             if gateway.publishers_starved:

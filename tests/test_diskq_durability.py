@@ -15,7 +15,10 @@ from nsqd.diskq import writer as writer_module
 
 
 def metadata(path, name="q"):
-    return json.loads((path / f"{name}.diskq.meta.json").read_text())
+    """The newest save: the metadata file or, while the queue runs, its checkpoint file."""
+    saved = [json.loads(file.read_text()) for file in (path / f"{name}.diskq.meta.json", path / f"{name}.diskq.checkpoint.json")
+             if file.exists()]
+    return max(saved, key=lambda document: document.get("sequence", 0))
 
 
 @pytest.fixture

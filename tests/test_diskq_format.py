@@ -9,7 +9,15 @@ from crc32c import crc32c
 import pytest
 
 from nsqd.diskq.errors import DiskQueueError
-from nsqd.diskq.metadata import Metadata, decode_metadata, encode_metadata, load_metadata, save_metadata
+from nsqd.diskq.metadata import (
+    CheckpointFile,
+    Metadata,
+    decode_metadata,
+    encode_metadata,
+    load_metadata,
+    load_newest,
+    save_metadata,
+)
 from nsqd.diskq.naming import QueueFiles, escape_name
 from nsqd.diskq.records import (
     SEGMENT_HEADER_SIZE,
@@ -179,10 +187,33 @@ def test_metadata_round_trip_and_rejections(tmp_path):
         (b"{garbage", "JSON"),
         (b"[1, 2]", "object"),
         (tampered, "checksum"),
-        (encode_metadata(meta).replace(b'"version": 2', b'"version": 9'), "version"),
+        (encode_metadata(meta).replace(b'"version": 3', b'"version": 9'), "version"),
     ]:
         with pytest.raises(ValueError, match=reason):
             decode_metadata(bad)
+
+
+def test_checkpoint_file_is_overwritten_in_place_and_the_newest_save_wins(tmp_path):
+    meta_path, checkpoint_path = tmp_path / "m.json", tmp_path / "m.checkpoint.json"
+    save_metadata(meta_path, Metadata(read_segment=0, read_position=16, write_segment=0, write_position=16,
+                                      depth=0, sequence=4))
+    checkpoint = CheckpointFile(checkpoint_path)
+    long = Metadata(read_segment=1, read_position=16, write_segment=2, write_position=500, depth=9,
+                    kept=tuple((i, i, {"a": i}) for i in range(50)), kept_count=50, sequence=5)
+    checkpoint.save(long)
+    inode = checkpoint_path.stat().st_ino
+    short = Metadata(read_segment=2, read_position=16, write_segment=2, write_position=900, depth=3, sequence=6)
+    checkpoint.save(short)
+    assert checkpoint_path.stat().st_ino == inode  # no new file: written in place
+    assert load_metadata(checkpoint_path) == short  # and cut to the shorter document
+    assert load_newest([meta_path, checkpoint_path]) == (short, [])
+
+    checkpoint_path.write_bytes(encode_metadata(short)[:40])  # torn by a power loss
+    newest, unusable = load_newest([meta_path, checkpoint_path])
+    assert newest.sequence == 4 and [path for path, _ in unusable] == [checkpoint_path]
+    checkpoint.remove()
+    assert not checkpoint_path.exists()
+    assert load_newest([meta_path, checkpoint_path])[0].sequence == 4
 
 
 def test_metadata_keeps_the_release_point_and_kept_intervals():

@@ -40,7 +40,7 @@ def fsync_directory(directory: Path) -> None:
 
 
 class QueueFiles:
-    """Paths of the segment, metadata and lock files of one queue."""
+    """Paths of the segment, metadata, checkpoint and lock files of one queue."""
 
     def __init__(self, data_path: str | os.PathLike[str], name: str) -> None:
         self.directory = Path(data_path)
@@ -48,6 +48,7 @@ class QueueFiles:
         self._stem = escape_name(name) + ".diskq."
         self._segment_pattern = re.compile(re.escape(self._stem) + r"(\d{6,})\.dat")
         self.metadata_path = self.directory / (self._stem + "meta.json")
+        self.checkpoint_path = self.directory / (self._stem + "checkpoint.json")
         self.lock_path = self.directory / (self._stem + "lock")
 
     def segment_path(self, segment: int) -> Path:

@@ -23,6 +23,7 @@ come back. A queue without a keeper releases what it reads.
 from __future__ import annotations
 
 import bisect
+import errno
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -33,7 +34,7 @@ import trio
 from . import sync
 from .errors import DiskQueueError, DiskQueueReadError, DiskQueueWriteError, MessageSizeError
 from .lock import acquire_queue_lock
-from .metadata import Kept, Metadata, save_metadata
+from .metadata import CheckpointFile, Kept, Metadata, save_metadata
 from .naming import QueueFiles
 from .reader import SegmentReader
 from .records import MAX_RECORD_LENGTH, MAX_SEGMENT_BYTES, RECORD_HEADER_SIZE, SEGMENT_HEADER_SIZE, position, split_position
@@ -144,6 +145,9 @@ class DiskQueue:
         self._last_error: str | None = None
         #: the ongoing write or sync failure, None once a write and a sync succeed again
         self.failing: str | None = None
+        self._failing_save = False
+        self._sequence = state.sequence
+        self._checkpoint_file = CheckpointFile(self._files.checkpoint_path)
         self._gate = sync.SyncGate()
         self._wakeup = trio.Event()
         self._next_round = _CommitRound()
@@ -456,40 +460,70 @@ class DiskQueue:
             self._wakeup.set()
 
     async def _commit(self, checkpoint: bool) -> None:
-        """One round: fsync in a thread (with the metadata at a checkpoint), release the waiters."""
+        """One round: fsync in a thread if anything is unsynced, release the waiters, save a checkpoint."""
         commit, self._next_round = self._next_round, _CommitRound()
         target = self._put_count
         if checkpoint:  # on failure too: the next try waits for the timeout, no busy retry
             self._checkpoint_due = False
             self._last_checkpoint = trio.current_time()
         plan = self._plan(checkpoint)
-        plan.together = not commit.waiters
-        try:
-            save_error = await trio.to_thread.run_sync(sync.execute, plan, self._files, self._gate)
-        except OSError as exc:
-            self._writer.directory_changed |= plan.sync_directory
-            if plan.metadata is not None:
-                self._metadata_dirty = True
-            commit.finish(self._write_failed(exc))
-            return
-        if plan.generation == self._gate.generation:
-            self._writer.close_retired(plan.retired)
+        if plan.fds or plan.sync_directory:
+            try:
+                await trio.to_thread.run_sync(sync.execute, plan, self._files, self._gate)
+            except OSError as exc:
+                self._writer.directory_changed |= plan.sync_directory
+                if plan.metadata is not None:
+                    self._metadata_dirty = True
+                commit.finish(self._write_failed(exc))
+                return
+            if plan.generation == self._gate.generation:
+                self._writer.close_retired(plan.retired)
+            self._syncs += 1
+            if self.failing is not None:
+                self._log.info("diskq_write_recovered", after=self.failing)
+                self.failing = None
         self._durable_count = max(self._durable_count, target)
-        self._syncs += 1
-        if self.failing is not None:
+        commit.finish(None)
+        if plan.metadata is not None:
+            await self._checkpoint(plan)
+
+    async def _checkpoint(self, plan: sync.SyncPlan) -> None:
+        """Save the plan's metadata to the checkpoint file, then remove the segments it released.
+
+        The save is a ``pwrite`` in this thread; only unlinking (slow for a
+        large file) goes to a worker thread. On a full disk the released
+        segments go first, to make room for the save.
+        """
+        meta = plan.metadata
+        assert meta is not None
+        error = self._save_checkpoint(plan)
+        if error is not None and error.errno in (errno.ENOSPC, errno.EDQUOT) and plan.consumed:
+            await trio.to_thread.run_sync(sync.release, plan, self._files, self._gate)
+            plan.consumed = []
+            error = self._save_checkpoint(plan)
+        if error is not None:
+            self._metadata_dirty = True
+            self.failing = self._last_error = f"disk queue {self.name!r}: cannot save metadata: {error}"
+            self._failing_save = True
+            self._log.error("diskq_metadata_save_failed", error=str(error))
+            return
+        if self._failing_save:
             self._log.info("diskq_write_recovered", after=self.failing)
             self.failing = None
-        commit.finish(None)
-        if plan.metadata is None:
-            return
-        if not plan.together:
-            save_error = await trio.to_thread.run_sync(sync.checkpoint, plan, self._files, self._gate)
-        if save_error is not None:
-            self._metadata_dirty = True
-            self.failing = self._last_error = f"disk queue {self.name!r}: cannot save metadata: {save_error}"
-            self._log.error("diskq_metadata_save_failed", error=str(save_error))
-        elif plan.generation == self._gate.generation:
-            self._oldest_segment = max(self._oldest_segment, min(plan.metadata.release[0], self._writer.segment))
+            self._failing_save = False
+        if plan.consumed:
+            await trio.to_thread.run_sync(sync.release, plan, self._files, self._gate)
+        if plan.generation == self._gate.generation:
+            self._oldest_segment = max(self._oldest_segment, min(meta.release[0], self._writer.segment))
+
+    def _save_checkpoint(self, plan: sync.SyncPlan) -> OSError | None:
+        if self._closed or plan.generation != self._gate.generation:
+            return None  # emptied or closed meanwhile: that saved the metadata itself
+        try:
+            self._checkpoint_file.save(plan.metadata)
+        except OSError as exc:
+            return exc
+        return None
 
     def _plan(self, checkpoint: bool) -> sync.SyncPlan:
         writer = self._writer
@@ -544,11 +578,17 @@ class DiskQueue:
             release_position=0 if same else release_offset,
             kept=tuple(kept),
             kept_count=kept_count if not same else 0,
+            sequence=self._next_sequence(),
         )
+
+    def _next_sequence(self) -> int:
+        self._sequence += 1
+        return self._sequence
 
     def _save_metadata_now(self) -> None:
         try:
             save_metadata(self._files.metadata_path, self._snapshot())
+            self._checkpoint_file.remove()
         except OSError as exc:
             self._metadata_dirty = True
             self._last_error = f"disk queue {self.name!r}: cannot save metadata: {exc}"
@@ -593,9 +633,10 @@ class DiskQueue:
                     os.fdatasync(fd)
                 meta = self._snapshot()
                 released = list(range(self._oldest_segment, min(meta.release[0], self._writer.segment)))
-                save_error = sync.save_and_release(self._files, meta, released, durable=True)
+                save_error = sync.save_and_release(self._files, meta, released)
                 if save_error is not None:
                     raise save_error
+                self._checkpoint_file.remove()
             except OSError as exc:
                 error = self._write_failed(exc)
             finally:
@@ -617,12 +658,14 @@ class DiskQueue:
             for segment in self._files.list_segments():
                 _unlink_if_present(self._files.segment_path(segment))
             metadata = self._files.metadata_path
-            for path in (metadata, metadata.with_name(metadata.name + ".tmp"), self._files.lock_path):
+            for path in (metadata, metadata.with_name(metadata.name + ".tmp"), self._files.checkpoint_path,
+                         self._files.lock_path):
                 _unlink_if_present(path)
         self._log.info("diskq_deleted")
         self._release_waiters(DiskQueueError(f"disk queue {self.name!r} was deleted"))
 
     def _shut(self) -> None:
+        self._checkpoint_file.close()
         self._writer.close()
         self._reader.close()
         os.close(self._lock_fd)

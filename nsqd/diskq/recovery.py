@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from .metadata import Kept, Metadata, load_metadata
+from .metadata import Kept, Metadata, load_newest
 from .naming import QueueFiles
 from .records import (
     SEGMENT_HEADER_SIZE,
@@ -42,6 +42,8 @@ class RecoveredState:
     """Of ``depth``, the records the kept intervals hold."""
     damaged_records: int
     damaged_bytes: int
+    sequence: int
+    """Of the metadata used (0 without): saves go on from here."""
 
 
 class _Recovery:
@@ -61,7 +63,8 @@ class _Recovery:
             segments = self._remove_consumed(segments, meta.release[0])
         if not segments:
             start = meta.write_segment if meta is not None else 0
-            return RecoveredState(start, 0, start, 0, start, 0, 0, (), 0, self.damaged_records, self.damaged_bytes)
+            return RecoveredState(start, 0, start, 0, start, 0, 0, (), 0, self.damaged_records, self.damaged_bytes,
+                                  meta.sequence if meta is not None else 0)
 
         read_segment, read_position = self._read_start(meta, segments)
         release_segment, release_position = read_segment, read_position
@@ -102,14 +105,14 @@ class _Recovery:
         return RecoveredState(
             release_segment, release_position, read_segment, read_position, write_segment, write_position,
             depth + kept_count, kept, kept_count, self.damaged_records, self.damaged_bytes,
+            meta.sequence if meta is not None else 0,
         )
 
     def _load_metadata(self) -> Metadata | None:
-        try:
-            return load_metadata(self.files.metadata_path)
-        except (ValueError, OSError) as exc:
-            self.log.warning("diskq_metadata_unusable", path=str(self.files.metadata_path), reason=str(exc))
-            return None
+        meta, unusable = load_newest([self.files.metadata_path, self.files.checkpoint_path])
+        for path, reason in unusable:
+            self.log.warning("diskq_metadata_unusable", path=str(path), reason=reason)
+        return meta
 
     def _check_headers(self, segments: list[int]) -> list[int]:
         """Drop files too short to hold a record; restore damaged magic bytes."""

@@ -1,8 +1,8 @@
 """The fsync work of one commit, run in a worker thread.
 
 Everything a commit must make durable is gathered in the Trio thread into a
-:class:`SyncPlan`; the worker thread only fsyncs, saves metadata and unlinks
-fully read segments. The Trio thread closes descriptors only while holding
+:class:`SyncPlan`; the worker thread only fsyncs and unlinks fully read
+segments. The Trio thread closes descriptors only while holding
 the gate's lock and bumps its generation when it does, so a plan never
 touches a descriptor that was closed (and maybe reused) under it.
 """
@@ -34,46 +34,31 @@ class SyncPlan:
     """The descriptors in ``fds`` of segments that are sealed and fully written."""
     sync_directory: bool
     metadata: Metadata | None = None
+    """The checkpoint to save once the data is durable (saved in the Trio thread)."""
     consumed: list[int] = field(default_factory=list)
-    together: bool = False
-    """Save the checkpoint in the same trip as the fsync (no waiter to release first)."""
     """Fully read segments, removed once ``metadata`` (which no longer points at them) is saved."""
 
 
-def execute(plan: SyncPlan, files: QueueFiles, gate: SyncGate) -> OSError | None:
-    """Make the plan's data durable; raises OSError. Does nothing if its descriptors were closed.
-
-    A plan whose round nobody waits for also saves its checkpoint here (one
-    trip to the worker thread); the save's error is returned.
-    """
+def execute(plan: SyncPlan, files: QueueFiles, gate: SyncGate) -> None:
+    """Make the plan's data durable; raises OSError. Does nothing if its descriptors were closed."""
     with gate.lock:
         if plan.generation != gate.generation:
-            return None
+            return
         for fd in plan.fds:
             os.fdatasync(fd)
         if plan.sync_directory:
             fsync_directory(files.directory)
-        if plan.metadata is not None and plan.together:
-            return save_and_release(files, plan.metadata, plan.consumed)
-    return None
 
 
-def checkpoint(plan: SyncPlan, files: QueueFiles, gate: SyncGate) -> OSError | None:
-    """Save the plan's metadata and release segments, after :func:`execute`; returns the save's error.
-
-    A separate step, so the waiters of the data's fsync do not wait for it:
-    their records are durable all the same (metadata is only a hint), and a
-    failed save is retried later.
-    """
+def release(plan: SyncPlan, files: QueueFiles, gate: SyncGate) -> None:
+    """Delete the plan's consumed segments, unless the queue was emptied or closed meanwhile."""
     with gate.lock:
-        if plan.generation != gate.generation:
-            return None
-        return save_and_release(files, plan.metadata, plan.consumed)
+        if plan.generation == gate.generation:
+            _unlink_segments(files, plan.consumed)
 
 
-def save_and_release(files: QueueFiles, metadata: Metadata, released: list[int],
-                     durable: bool = False) -> OSError | None:
-    """Save the metadata, then delete the released segments; returns the save's error.
+def save_and_release(files: QueueFiles, metadata: Metadata, released: list[int]) -> OSError | None:
+    """Save the metadata file durably, then delete the released segments; returns the save's error.
 
     Saving first means a crash never leaves metadata pointing at a deleted
     segment. On a full disk the save itself needs space, so the released
@@ -82,13 +67,13 @@ def save_and_release(files: QueueFiles, metadata: Metadata, released: list[int],
     space that lets the disk recover.
     """
     try:
-        save_metadata(files.metadata_path, metadata, durable)
+        save_metadata(files.metadata_path, metadata)
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             return exc
         _unlink_segments(files, released)
         try:
-            save_metadata(files.metadata_path, metadata, durable)
+            save_metadata(files.metadata_path, metadata)
         except OSError as again:
             return again
         return None
