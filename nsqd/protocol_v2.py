@@ -661,10 +661,16 @@ def split_mpub(body: bytes, max_msg_size: int, max_body_size: int) -> list[memor
     if count <= 0 or count > max_messages:
         raise ClientError("E_BAD_BODY", f"MPUB invalid message count {count}")
     view = memoryview(body)
+    end = len(body)
+    if end >= 8:
+        size = _I32.unpack_from(body, 4)[0]
+        step = size + 4
+        if 0 < size <= max_msg_size and end - 4 == count * step and _sizes_all(body, step, count):
+            # every message the same size (the usual batch): cut in C, no Python loop
+            return list(map(view.__getitem__, map(slice, range(8, end, step), range(8 + size, end + 1, step))))
     unpack = _I32.unpack_from
     bodies = []
     append = bodies.append
-    end = len(body)
     pos = 4
     last_size = None  # not -1: a size of -1 must be checked too
     for index in range(count):
@@ -686,6 +692,15 @@ def split_mpub(body: bytes, max_msg_size: int, max_body_size: int) -> list[memor
     if pos != end:
         raise ClientError("E_BAD_BODY", f"MPUB body has {end - pos} bytes after its {count} messages")
     return bodies
+
+
+def _sizes_all(body: bytes, step: int, count: int) -> bool:
+    """Whether every size field of an MPUB body of ``count`` messages ``step - 4`` bytes long is
+    the first one: each of the four bytes compared at once across the batch (strided slices)."""
+    for j in range(4):
+        if body[4 + j::step] != body[4 + j:5 + j] * count:
+            return False
+    return True
 
 
 #: IDENTIFY's fields, typed as nsqd's identifyDataV2 types them (short_id and long_id

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 from nsqd.protocol_v2 import (
-    FIN_BATCH, MAX_LINE, PARSE_ERROR, STEP_COMMANDS, V2Parser, go_base10, go_int64, go_millis_ns,
+    FIN_BATCH, MAX_LINE, PARSE_ERROR, STEP_COMMANDS, ClientError, V2Parser, go_base10, go_int64, go_millis_ns,
+    split_mpub,
 )
 
 MID = b"0123456789abcdef"
@@ -193,3 +194,24 @@ def test_go_int64_and_millisecond_durations_overflow_as_go_does():
     assert go_int64(2**64 - 1) == -1
     assert go_millis_ns(2**64 - 1) == -1_000_000
     assert go_millis_ns(9_223_372_036_855) == -9_223_372_036_854_551_616  # past int64 nanoseconds
+
+
+def _mpub_body(bodies, count=None):
+    return struct.pack(">i", len(bodies) if count is None else count) + b"".join(
+        struct.pack(">i", len(b)) + b for b in bodies)
+
+
+@given(st.lists(st.binary(min_size=1, max_size=12), min_size=1, max_size=30))
+def test_split_mpub_returns_every_body_whatever_the_sizes(bodies):
+    assert [bytes(b) for b in split_mpub(_mpub_body(bodies), 100, 10_000)] == bodies
+
+
+def test_split_mpub_checks_every_size_even_when_the_total_looks_uniform():
+    # three sizes 2, 1, 3 fill exactly as much as three of size 2 would
+    assert [bytes(b) for b in split_mpub(_mpub_body([b"ab", b"c", b"def"]), 100, 10_000)] == [b"ab", b"c", b"def"]
+    with pytest.raises(ClientError, match="MPUB message too big 101 > 100"):
+        split_mpub(_mpub_body([b"a" * 50, b"b" * 101, b"c"]), 100, 10_000)
+    with pytest.raises(ClientError, match="MPUB body has 1 bytes after its 3 messages"):
+        split_mpub(_mpub_body([b"ab"] * 3) + b"x", 100, 10_000)
+    with pytest.raises(ClientError, match="MPUB message too big 200 > 100"):
+        split_mpub(_mpub_body([b"x" * 200] * 4), 100, 10_000)  # uniform but too big: the careful path's error
