@@ -11,8 +11,11 @@ import argparse
 import json
 import os
 import signal
+import socket
+import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -22,7 +25,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
 
 from nsq_spark.client import FRAME_MESSAGE, Connection, body_command, mpub_body  # noqa: E402
-from tests.support import Daemon  # noqa: E402
+from tests.support import Daemon, free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -70,6 +73,53 @@ def daemon(tmp_path_factory):
 
 def address(daemon) -> str:
     return f"127.0.0.1:{daemon.port}"
+
+
+class RestartableDaemon:
+    """``python -m nsqd`` that can be stopped (SIGTERM or SIGKILL) and started again on its port and data."""
+
+    def __init__(self, data_path, *args: str) -> None:
+        self.data_path = data_path
+        self.args = args
+        self.port = free_port()
+        self.http_port = free_port()
+        self.proc = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "nsqd", f"--tcp-address=127.0.0.1:{self.port}",
+             f"--http-address=127.0.0.1:{self.http_port}", "--amqp-address=", f"--data-path={self.data_path}",
+             "--log-level=warn", *self.args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 20
+        while True:
+            assert self.proc.poll() is None, self.proc.stderr.read().decode()
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                assert time.monotonic() < deadline, "the daemon did not start"
+                time.sleep(0.05)
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        self.proc.send_signal(sig)
+        return self.proc.wait(60)
+
+    def restart(self, sig: int = signal.SIGTERM, pause: float = 0.0) -> None:
+        self.stop(sig)
+        time.sleep(pause)
+        self.start()
+
+    def channel_stats(self, topic: str, channel: str) -> dict:
+        """The channel's entry in ``/stats`` (depth, in_flight_count, ...)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/stats?format=json&topic={topic}",
+                                    timeout=10) as response:
+            stats = json.load(response)
+        for t in stats["topics"]:
+            for c in t["channels"]:
+                if t["topic_name"] == topic and c["channel_name"] == channel:
+                    return c
+        return {}
 
 
 def publish(addr: str, topic: str, bodies: list[bytes], chunk: int = 1000) -> None:
