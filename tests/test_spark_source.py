@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from .test_spark_support import (REPO, address, consume, daemon, json_bodies, parquet_rows, publish, spark,  # noqa: F401
-                                 wait_for)
+from .test_spark_support import (REPO, address, committed_rows, consume, daemon, json_bodies, publish,  # noqa: F401
+                                 spark, wait_for)
 
 pytestmark = pytest.mark.slow
 
@@ -37,9 +37,9 @@ def test_stream_of_n_messages_ends_in_parquet_with_n_distinct_ids(spark, daemon,
     query = stream_to_parquet(spark, addr, "s1", tmp_path / "out", tmp_path / "ck",
                               numPartitions=2, maxMessagesPerTrigger=1000, maxInFlight=300)
     try:
-        assert wait_for(lambda: parquet_rows(spark, tmp_path / "out") >= 3000, 90)
+        assert wait_for(lambda: committed_rows(tmp_path / "out") >= 3000, 90)
         publish(addr, "s1", json_bodies(3000, 3500))  # while the query runs
-        assert wait_for(lambda: parquet_rows(spark, tmp_path / "out") >= 3500, 60)
+        assert wait_for(lambda: committed_rows(tmp_path / "out") >= 3500, 60)
     finally:
         query.stop()
     ids, rows = committed(spark, tmp_path / "out")
@@ -54,12 +54,12 @@ def test_graceful_stop_and_restart_from_checkpoint_has_no_duplicates(spark, daem
     out, ck = tmp_path / "out", tmp_path / "ck"
     publish(addr, "s2", json_bodies(0, 1500))
     query = stream_to_parquet(spark, addr, "s2", out, ck, numPartitions=2, maxMessagesPerTrigger=500)
-    assert wait_for(lambda: parquet_rows(spark, out) >= 1500, 90)
+    assert wait_for(lambda: committed_rows(out) >= 1500, 90)
     query.stop()  # the last batch's commit never comes: the next run acknowledges it
     publish(addr, "s2", json_bodies(1500, 2000))
     query = stream_to_parquet(spark, addr, "s2", out, ck, numPartitions=2, maxMessagesPerTrigger=500)
     try:
-        assert wait_for(lambda: parquet_rows(spark, out) >= 2000, 90)
+        assert wait_for(lambda: committed_rows(out) >= 2000, 90)
         time.sleep(1)  # a duplicate would show up within the next batches
     finally:
         query.stop()
@@ -160,13 +160,41 @@ def test_batch_read_drains_what_is_there_up_to_a_limit(spark, daemon):
     assert read().count() == 0
 
 
+def test_trigger_once_runs_further_apart_than_the_lease_timeout_write_each_message_once(spark, daemon, tmp_path):
+    addr = address(daemon)
+
+    def run_once():
+        query = spark.readStream.format("nsq").option("nsqd.address", addr).option("topic", "s6") \
+            .option("channel", "spark").option("numPartitions", 2).option("msgTimeoutMs", 1000).load() \
+            .writeStream.format("parquet").option("path", str(tmp_path / "out")) \
+            .option("checkpointLocation", str(tmp_path / "ck")).trigger(once=True).start()
+        assert query.awaitTermination(90) and query.exception() is None
+        assert spark._nsq_settler.wait(10)  # what the interpreter's exit waits for
+
+    publish(addr, "s6", json_bodies(0, 600))
+    run_once()
+    time.sleep(2.5)  # past the lease timeout: a batch not finished by now would be delivered again
+    publish(addr, "s6", json_bodies(600, 900))
+    run_once()
+    ids, rows = committed(spark, tmp_path / "out")
+    assert len(ids) == len(set(ids)) == 900
+    assert {r.attempts for r in rows} == {1}
+    time.sleep(2.5)
+    assert consume(addr, "s6", "spark", idle=0.3) == []  # the second run's batch was finished too
+
+
 @pytest.mark.parametrize("option, value, message", [
     ("maxMessagePerTrigger", "10", "unknown option 'maxmessagepertrigger'"),
     ("numPartitions", "zero", "option 'numPartitions' must be an integer"),
     ("maxTriggerDelay", "soon", "option 'maxTriggerDelay' must be a duration"),
+    ("topic", "bad topic!", "option 'topic' is 'bad topic!', not a valid nsq topic name"),
+    ("channel", "spark extra", "option 'channel' is 'spark extra', not a valid nsq channel name"),
+    ("reconnectTimeout", "0s", "option 'reconnectTimeout' must be positive"),
+    ("maxInFlight", "5000", r"option 'maxInFlight' \(5000\) is above the --max-rdy-count of nsqd .* \(2500\)"),
+    ("msgTimeoutMs", "3600000", r"option 'msgTimeoutMs' \(3600000\) is above the --max-msg-timeout"),
 ])
-def test_bad_options_are_errors_naming_the_option(spark, daemon, option, value, message):
+def test_bad_options_are_errors_naming_the_option_before_any_data(spark, daemon, option, value, message):
     reader = spark.readStream.format("nsq").option("nsqd.address", address(daemon)).option("topic", "x") \
         .option("channel", "c").option(option, value)
-    with pytest.raises(Exception, match=message):
+    with pytest.raises(Exception, match=message):  # the topic is empty: limits are checked at start
         reader.load().writeStream.format("console").start().awaitTermination(30)
