@@ -266,8 +266,10 @@ class Backoff:
     ``give_up`` seconds (the ``reconnectTimeout`` option) without a success.
     """
 
-    def __init__(self, give_up: float) -> None:
+    def __init__(self, give_up: float, option: str = "reconnectTimeout") -> None:
         self.give_up = give_up
+        #: what sets ``give_up``, for the error
+        self.option = option
         self.since: float | None = None
         self.delay = 0.0
         self.next_try = 0.0
@@ -277,7 +279,7 @@ class Backoff:
         if self.since is None:
             self.since = now
         if now - self.since >= self.give_up:
-            raise ConnectionLost(f"gave up after {self.give_up:g} s (reconnectTimeout) without nsqd: {exc}") from exc
+            raise ConnectionLost(f"gave up after {self.give_up:g} s ({self.option}) without nsqd: {exc}") from exc
         self.delay = min(max(self.delay * 2, BACKOFF_FIRST), BACKOFF_MAX)
         self.next_try = now + self.delay
 

@@ -31,7 +31,7 @@ from .leases import lease_base, lease_consumer, settle
 log = logging.getLogger("nsq_spark")
 
 #: longest wait at exit for ended queries to be settled, and for one daemon to come back when settling
-EXIT_WAIT = 30.0
+EXIT_WAIT = 10.0
 _OFFSET_KEYS = {"run", "batch", "nsqd", "topic", "channel", "partitions"}
 
 
@@ -46,7 +46,7 @@ def finish_batch(offset: dict) -> int:
             with lease_consumer(address, offset["topic"], offset["channel"], 0) as conn:
                 return sum(settle(conn, lease_base(offset["run"], offset["batch"], p), "LFIN") for p in parts)
 
-        finished += retrying(Backoff(EXIT_WAIT), lfin)
+        finished += retrying(Backoff(EXIT_WAIT, "nsq_spark.settle.EXIT_WAIT"), lfin)
     return finished
 
 

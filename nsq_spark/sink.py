@@ -137,10 +137,14 @@ class Publisher:
     def _bad_row(self, mask: pa.Array, what: str) -> None:
         raise ValueError(f"row {self.count + pc.index(mask, True).as_py()} of partition {self.partition} {what}")
 
+    def flush(self) -> None:
+        """Return once every command sent has been answered ``OK``."""
+        self._answers(0)
+
     def close(self) -> None:
         """Wait for every answer, then close."""
         try:
-            self._answers(0)
+            self.flush()
         finally:
             self.conn.close()
 

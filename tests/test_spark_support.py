@@ -168,9 +168,8 @@ def committed_rows(path) -> int:
 
     files = set()
     log = Path(path) / "_spark_metadata"
-    for entry in sorted(log.iterdir(), key=lambda p: int(p.name.split(".")[0])) if log.is_dir() else []:
-        if entry.name.startswith("."):
-            continue
+    entries = [e for e in log.iterdir() if not e.name.startswith(".")] if log.is_dir() else []
+    for entry in sorted(entries, key=lambda e: int(e.name.split(".")[0])):
         for line in entry.read_text().splitlines()[1:]:
             record = json.loads(line)
             (files.add if record["action"] == "add" else files.discard)(record["path"])
