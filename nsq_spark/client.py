@@ -157,32 +157,37 @@ class Connection:
 
         Stops at the first frame that is not a message (heartbeats and
         CLOSE_WAIT are handled on the way) or is not complete yet, and returns
-        how many it took. This is the hot path: one pass finds the frames, and
-        the bytes of a run of them are handed over in a single copy.
+        how many it took. This is the hot path: one pass finds where the frames
+        start, and the bytes of a run of them are handed over in one copy.
         """
         buf = self._buf
         pos, end = self._pos, len(buf)
         start, taken = pos, 0
         positions: list[int] = []
-        add = positions.append
         unpack = _HEAD.unpack_from
-        while pos + 8 <= end and taken + len(positions) < limit:
-            size, kind = unpack(buf, pos)
-            if pos + 4 + size > end:
-                break
-            if kind != FRAME_MESSAGE:
-                if not self._handled(pos, size, kind):
+        while True:
+            add = positions.append
+            for _ in range(limit - taken):
+                if pos + 8 > end:
                     break
-                if positions:  # the run so far, without the heartbeat
-                    columns.add_run(bytes(buf[start:pos]), positions, start)
-                    taken += len(positions)
-                    positions = []
-                    add = positions.append
-                pos += 4 + size
-                start = pos
-                continue
-            add(pos)
-            pos += 4 + size
+                size, kind = unpack(buf, pos)
+                following = pos + 4 + size
+                if kind != FRAME_MESSAGE or following > end:
+                    break
+                add(pos)
+                pos = following
+            else:
+                break  # the limit
+            if pos + 8 > end:
+                break
+            size, kind = unpack(buf, pos)
+            if pos + 4 + size > end or not self._handled(pos, size, kind):
+                break
+            if positions:  # the run so far; the heartbeat or CLOSE_WAIT is left out
+                columns.add_run(bytes(buf[start:pos]), positions, start)
+                taken += len(positions)
+                positions = []
+            pos = start = pos + 4 + size
         if positions:
             columns.add_run(bytes(buf[start:pos]), positions, start)
             taken += len(positions)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import socket
+import struct
 import threading
 import time
 
@@ -369,3 +370,31 @@ def test_the_sink_publishes_through_a_graceful_restart(restartable):
     assert not thread.is_alive()
     got = sorted(b for _, _, b in consume(addr, "r6", "check", idle=0.5))
     assert got == sorted(b for chunk in sent for b in chunk)  # declined batches were published again, once
+
+
+def test_message_runs_are_taken_around_heartbeats_and_close_wait():
+    def message(i):
+        data = struct.pack(">qH", 1_700_000_000_000_000_000 + i, 1) + b"%016d" % i + b"body%d" % i
+        return struct.pack(">ii", len(data) + 4, 2) + data
+
+    def response(data):
+        return struct.pack(">ii", len(data) + 4, 0) + data
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        conn = Connection(f"127.0.0.1:{server.getsockname()[1]}")
+        peer, _ = server.accept()
+        stream = b"".join([message(0), message(1), response(b"_heartbeat_"), message(2), message(3),
+                           response(b"CLOSE_WAIT"), message(4), message(5), response(b"OK")])
+        peer.sendall(stream)
+        while len(conn._buf) < len(stream):
+            conn.fill(1)
+        columns = Columns("t", "c")
+        assert conn.take_messages(columns, 5) == 5  # the limit
+        assert conn.take_messages(columns, 5) == 1 and conn.frame_waiting()
+        assert conn.next_frame() == (0, b"OK")
+        assert conn.closing
+        assert columns.take().column("body").to_pylist() == [b"body%d" % i for i in range(6)]
+        peer.settimeout(1)
+        assert peer.recv(100) == b"  V2NOP\n"  # the heartbeat was answered
+        peer.close()
+        conn.close()
