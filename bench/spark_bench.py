@@ -2,9 +2,12 @@
 """Rows per second through the nsq source and sink of PySpark, in local mode, beside Spark's own source.
 
 Three phases against one daemon (``--spawn`` starts one on free ports with a
-fresh data dir), after a warm-up that runs them with ``--warm-up`` rows (the
-first job of a session pays for JIT compilation and Python worker start-up,
-which a long-running pipeline pays once):
+fresh data dir and, unless ``--nsqd-args`` says otherwise, a memory queue
+that holds the whole backlog), after a warm-up that runs them with
+``--warm-up`` rows (the first jobs of a session pay for JIT compilation and
+Python worker start-up, which a long-running pipeline pays once). The phases
+run ``--repeat`` times, the source and the rate source in turn first, as
+other load on the machine shifts the figures from one run to the next:
 
 * ``sink``    a DataFrame of ``--rows`` rows with ``--size``-byte bodies in
               ``--partitions`` partitions is written to a topic with
@@ -29,6 +32,7 @@ Result lines have a fixed shape::
     source daemon cpu: 0.61 us/msg
     rate-micro-batch parquet: 123456 rows/s over 8.10 s, 140000 rows/s in batches [2000000 rows, 4 batches]
     source / rate-micro-batch: 0.72 in batches, 0.70 over the query
+    ... (the next rounds)
     machine: 2 cpus, load average 1.2 before the phases, 2.3 after
 
 A load average well above the daemon's and Spark's own share means other
@@ -176,13 +180,18 @@ def main() -> None:
     parser.add_argument("--nsqd-tcp-address", help="an nsqd to use instead of --spawn")
     parser.add_argument("--nsqd-pid", type=int, help="that daemon's pid, for its CPU time per message")
     parser.add_argument("--spawn", action="store_true", help="start a daemon on free ports with a fresh data dir")
-    parser.add_argument("--nsqd-args", default="", help="extra daemon flags with --spawn")
+    parser.add_argument("--nsqd-args", default="--mem-queue-size=4000000",
+                        help="daemon flags with --spawn (default: the backlog stays in memory, as a channel whose "
+                             "consumer keeps up; give '' for nsqd's defaults, which spill it to disk)")
     parser.add_argument("--rows", type=int, default=2_000_000)
     parser.add_argument("--size", type=int, default=200, help="body bytes")
     parser.add_argument("--partitions", type=int, default=2)
     parser.add_argument("--topic", default="spark_bench")
-    parser.add_argument("--warm-up", type=int, default=50_000,
-                        help="rows sent through both phases first, so the JVM and Python workers are warm (0: none)")
+    parser.add_argument("--warm-up", type=int, default=500_000,
+                        help="rows sent through every phase first, so the JVM (its JIT) and the Python workers "
+                             "are warm, as in a long-running pipeline (0: none)")
+    parser.add_argument("--repeat", type=int, default=2,
+                        help="rounds of sink, source and rate-micro-batch (the last two in turn first)")
     parser.add_argument("--max-in-flight", default="2500", help="source option maxInFlight")
     parser.add_argument("--max-per-trigger", default="500000", help="source option maxMessagesPerTrigger")
     parser.add_argument("--max-trigger-delay", default="30s", help="source option maxTriggerDelay")
@@ -209,11 +218,25 @@ def main() -> None:
                          None)
             bench_rate(spark, args.warm_up, args.size, args.partitions, per_batch, work / "warm_rate")
         load = os.getloadavg()[0]
-        bench_sink(spark, addr, args.topic, args.rows, args.size, args.partitions)
-        ours = bench_source(spark, addr, args.topic, args.rows, args.partitions, work / "source", options, pid)
-        rate = bench_rate(spark, args.rows, args.size, args.partitions, per_batch, work / "rate")
-        print(f"source / rate-micro-batch: {ours[1] / rate[1]:.2f} in batches, {ours[0] / rate[0]:.2f} over the query",
-              flush=True)
+        ratios = []
+        for round_ in range(args.repeat):
+            topic = f"{args.topic}_{round_}"
+            bench_sink(spark, addr, topic, args.rows, args.size, args.partitions)
+
+            def source():
+                return bench_source(spark, addr, topic, args.rows, args.partitions, work / f"source{round_}",
+                                    options, pid)
+
+            def rate():
+                return bench_rate(spark, args.rows, args.size, args.partitions, per_batch, work / f"rate{round_}")
+
+            if round_ % 2:
+                theirs, ours = rate(), source()
+            else:
+                ours, theirs = source(), rate()
+            ratios.append((ours[1] / theirs[1], ours[0] / theirs[0]))
+            print(f"source / rate-micro-batch: {ratios[-1][0]:.2f} in batches, {ratios[-1][1]:.2f} over the query",
+                  flush=True)
         print(f"machine: {os.cpu_count()} cpus, load average {load:.1f} before the phases, "
               f"{os.getloadavg()[0]:.1f} after", flush=True)
         spark.stop()

@@ -2,7 +2,7 @@
 
 Executors and the driver run inside Spark's Python workers, which are plain
 synchronous processes: a blocking socket with explicit timeouts is all they
-need, and it keeps the package free of extra dependencies. Heartbeats are
+need. Heartbeats are
 answered wherever frames are read, so a connection stays alive as long as its
 owner reads it now and then. A ``CLOSE_WAIT`` from the daemon (it is shutting
 down) is noted in :attr:`Connection.closing` and kept from the frames.
@@ -21,6 +21,8 @@ import socket
 import struct
 import time
 
+import numpy as np
+
 FRAME_RESPONSE, FRAME_ERROR, FRAME_MESSAGE = 0, 1, 2
 HEARTBEAT = b"_heartbeat_"
 CLOSE_WAIT = b"CLOSE_WAIT"
@@ -29,6 +31,10 @@ USER_AGENT = "nsq_spark/0.2"
 _HEAD = struct.Struct(">ii")
 _SIZE = struct.Struct(">i")
 _RECV_SIZE = 1 << 20
+#: a receive chunk with less room than this is replaced by a new one
+_MIN_ROOM = 64 << 10
+#: frames scanned one by one between two looks for a run of frames of one size
+SCAN_STRIDE = 256
 #: first and longest pause between attempts to reach a daemon
 BACKOFF_FIRST, BACKOFF_MAX = 0.1, 2.0
 
@@ -85,8 +91,9 @@ class Connection:
         except OSError as exc:
             raise ConnectionLost(f"cannot connect to nsqd at {address}: {exc}") from exc
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._buf = bytearray()
-        self._pos = 0
+        #: received bytes go to ``_buf[_end:]``; ``_buf[_pos:_end]`` is not parsed yet
+        self._buf = bytearray(_RECV_SIZE)
+        self._pos = self._end = 0
         self.send(b"  V2")
 
     def close(self) -> None:
@@ -110,20 +117,31 @@ class Connection:
         self.send(line.encode() + b"\n")
 
     def fill(self, timeout: float | None) -> bool:
-        """Receive more bytes; False when nothing came within ``timeout``."""
-        if self._pos:
-            del self._buf[:self._pos]
-            self._pos = 0
+        """Receive more bytes; False when nothing came within ``timeout``.
+
+        Bytes are received into a chunk that is never moved nor written over,
+        so runs of message frames are handed on as views of it, without a
+        copy. When a chunk has little room left, what is not parsed yet
+        starts a new one (big enough for the frame it begins).
+        """
+        buf, pos, end = self._buf, self._pos, self._end
+        if len(buf) - end < _MIN_ROOM:
+            rest = end - pos
+            frame = 4 + _SIZE.unpack_from(buf, pos)[0] if rest >= 4 else 0
+            self._buf = bytearray(max(_RECV_SIZE, 2 * rest, frame + _MIN_ROOM))
+            self._buf[:rest] = buf[pos:end]
+            self._pos, self._end = 0, rest
         self.sock.settimeout(timeout)
         try:
-            chunk = self.sock.recv(_RECV_SIZE)
+            with memoryview(self._buf) as view:
+                received = self.sock.recv_into(view[self._end:])
         except (BlockingIOError, TimeoutError):
             return False
         except OSError as exc:
             raise ConnectionLost(f"nsqd {self.address}: receive failed: {exc}") from exc
-        if not chunk:
+        if not received:
             raise ConnectionLost(f"nsqd {self.address} closed the connection")
-        self._buf += chunk
+        self._end += received
         return True
 
     def _handled(self, pos: int, size: int, kind: int) -> bool:
@@ -141,11 +159,11 @@ class Connection:
 
     def next_frame(self) -> tuple[int, bytes] | None:
         """The next complete frame in the buffer, or None; heartbeats and CLOSE_WAIT are handled here."""
-        buf = self._buf
-        while self._pos + 8 <= len(buf):
+        buf, end = self._buf, self._end
+        while self._pos + 8 <= end:
             pos = self._pos
             size, kind = _HEAD.unpack_from(buf, pos)
-            if pos + 4 + size > len(buf):
+            if pos + 4 + size > end:
                 return None
             self._pos = pos + 4 + size
             if not self._handled(pos, size, kind):
@@ -157,50 +175,34 @@ class Connection:
 
         Stops at the first frame that is not a message (heartbeats and
         CLOSE_WAIT are handled on the way) or is not complete yet, and returns
-        how many it took. This is the hot path: one pass finds where the frames
-        start, and the bytes of a run of them are handed over in one copy.
+        how many it took. This is the hot path: :func:`scan_messages` finds
+        where the frames start, and the bytes of a run of them are handed
+        over in one copy.
         """
         buf = self._buf
-        pos, end = self._pos, len(buf)
-        start, taken = pos, 0
-        positions: list[int] = []
-        unpack = _HEAD.unpack_from
+        pos, end, taken = self._pos, self._end, 0
         while True:
-            add = positions.append
-            for _ in range(limit - taken):
-                if pos + 8 > end:
-                    break
-                size, kind = unpack(buf, pos)
-                following = pos + 4 + size
-                if kind != FRAME_MESSAGE or following > end:
-                    break
-                add(pos)
-                pos = following
-            else:
-                break  # the limit
-            if pos + 8 > end:
+            start = pos
+            starts, pos = scan_messages(buf, pos, end, limit - taken)
+            if len(starts):
+                columns.add_run(memoryview(buf)[start:pos], starts, start)
+                taken += len(starts)
+            if taken >= limit or pos + 8 > end:
                 break
-            size, kind = unpack(buf, pos)
+            size, kind = _HEAD.unpack_from(buf, pos)
             if pos + 4 + size > end or not self._handled(pos, size, kind):
                 break
-            if positions:  # the run so far; the heartbeat or CLOSE_WAIT is left out
-                columns.add_run(bytes(buf[start:pos]), positions, start)
-                taken += len(positions)
-                positions = []
-            pos = start = pos + 4 + size
-        if positions:
-            columns.add_run(bytes(buf[start:pos]), positions, start)
-            taken += len(positions)
+            pos += 4 + size  # a heartbeat or CLOSE_WAIT between messages: the run goes on after it
         self._pos = pos
         return taken
 
     def frame_waiting(self) -> bool:
         """Whether the buffer starts with a complete frame that is not a message (nor a heartbeat)."""
-        buf = self._buf
-        while self._pos + 8 <= len(buf):
+        buf, end = self._buf, self._end
+        while self._pos + 8 <= end:
             pos = self._pos
             size, kind = _HEAD.unpack_from(buf, pos)
-            if kind == FRAME_MESSAGE or pos + 4 + size > len(buf):
+            if kind == FRAME_MESSAGE or pos + 4 + size > end:
                 return False
             if not self._handled(pos, size, kind):
                 return True
@@ -261,6 +263,55 @@ class Connection:
         data = self.response()
         if data != b"OK":
             raise NSQError(f"nsqd {self.address}: expected OK, got {data!r}")
+
+
+def scan_messages(buf: bytearray, pos: int, end: int, limit: int) -> tuple[np.ndarray, int]:
+    """Where the complete message frames in ``buf[pos:end]`` start, up to ``limit`` of them or another frame.
+
+    Returns the positions and where the scan stopped. Frames are found one
+    by one (a frame's size says where the next starts), except that a run of
+    frames of one size is found in bulk: when the next frame has the size of
+    this one, numpy compares the heads (size and type) at every multiple of
+    that size ahead, and takes the run up to the first that differs. Messages
+    of one size are common (fixed-width records, benchmarks); for others the
+    check costs one comparison every :data:`SCAN_STRIDE` frames.
+    """
+    pieces: list = []
+    found = 0
+    unpack = _HEAD.unpack_from
+    while found < limit and pos + 8 <= end:
+        size, kind = unpack(buf, pos)
+        step = 4 + size
+        if kind == FRAME_MESSAGE and pos + step + 8 <= end and buf[pos:pos + 8] == buf[pos + step:pos + step + 8]:
+            count = min((end - pos) // step, limit - found)
+            heads = np.frombuffer(buf, np.uint8, count * step, pos).reshape(count, step)[:, :8]
+            same = (heads == heads[0]).all(axis=1)
+            run = count if same.all() else int(same.argmin())
+            del heads, same  # the bytearray may not be resized while numpy looks at it
+            pieces.append(np.arange(pos, pos + run * step, step, dtype=np.int64))
+            pos += run * step
+            found += run
+        one_by_one: list[int] = []
+        add = one_by_one.append
+        for _ in range(min(SCAN_STRIDE, limit - found)):
+            if pos + 8 > end:
+                break
+            size, kind = unpack(buf, pos)
+            following = pos + 4 + size
+            if kind != FRAME_MESSAGE or following > end:
+                break
+            add(pos)
+            pos = following
+        else:
+            pieces.append(one_by_one)
+            found += len(one_by_one)
+            continue
+        pieces.append(one_by_one)
+        found += len(one_by_one)
+        break
+    if not pieces:
+        return np.empty(0, dtype=np.int64), pos
+    return np.concatenate([np.asarray(p, dtype=np.int64) for p in pieces]), pos
 
 
 class Backoff:

@@ -59,17 +59,16 @@ class Columns:
         self.channel = channel
         #: bytes of frames gathered
         self.nbytes = 0
-        self._pieces: list[bytes] = []
+        self._pieces: list[bytes | memoryview] = []
         self._starts: list[np.ndarray] = []
         self._count = 0
 
     def __len__(self) -> int:
         return self._count
 
-    def add_run(self, data: bytes, starts: list[int], base: int) -> None:
-        """Frames in ``data``, the first at ``starts[0] - base``, each ending where the next starts."""
-        positions = np.array(starts, dtype=np.int64)
-        positions += self.nbytes - base
+    def add_run(self, data: bytes | memoryview, starts: np.ndarray, base: int) -> None:
+        """Frames in ``data`` (kept as given, not copied), the first at ``starts[0] - base``, each ending where the next starts."""
+        positions = starts + (self.nbytes - base)
         self._pieces.append(data)
         self._starts.append(positions)
         self.nbytes += len(data)
@@ -77,7 +76,7 @@ class Columns:
 
     def add_frame(self, data: bytes) -> None:
         """One message frame's data (timestamp, attempts, id, body), as :meth:`Connection.next_frame` gives it."""
-        self.add_run(_FRAME.pack(len(data) + 4, _MESSAGE) + data, [0], 0)
+        self.add_run(_FRAME.pack(len(data) + 4, _MESSAGE) + data, np.zeros(1, dtype=np.int64), 0)
 
     def ids(self) -> list[bytes]:
         """The ids of the gathered messages, in order."""

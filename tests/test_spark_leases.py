@@ -386,7 +386,7 @@ def test_message_runs_are_taken_around_heartbeats_and_close_wait():
         stream = b"".join([message(0), message(1), response(b"_heartbeat_"), message(2), message(3),
                            response(b"CLOSE_WAIT"), message(4), message(5), response(b"OK")])
         peer.sendall(stream)
-        while len(conn._buf) < len(stream):
+        while conn._end < len(stream):
             conn.fill(1)
         columns = Columns("t", "c")
         assert conn.take_messages(columns, 5) == 5  # the limit
