@@ -31,12 +31,14 @@ import struct
 import threading
 
 from .client import FRAME_MESSAGE, Backoff, Connection, ConnectionLost, NSQError, retrying
-from .leases import IDLE_GAP, lease_base, lease_consumer, lease_reply, open_lease, settle, unexpected
+from .leases import lease_base, lease_consumer, lease_reply, open_lease, settle, unexpected
 from .options import ReadOptions
 
 log = logging.getLogger("nsq_spark")
 
 _TIMESTAMP = struct.Struct(">q")
+#: how long a probe that opens a new lease waits for a message before it says there is none (for now)
+PROBE_WAIT = 0.05
 
 
 class Probe:
@@ -85,7 +87,7 @@ class Probe:
         while left:
             left -= self._take(self.conn.read_frames(self.conn.timeout))
         if not reply["reopened"]:
-            self._take(self.conn.read_frames(IDLE_GAP))
+            self._take(self.conn.read_frames(PROBE_WAIT))
 
     def poll(self) -> None:
         """Take in whatever arrived (and answer heartbeats) without waiting."""

@@ -37,8 +37,9 @@ from .client import (FRAME_ERROR, FRAME_MESSAGE, FRAME_RESPONSE, Backoff, Connec
 from .options import OptionError, ReadOptions
 from .rows import Columns
 
-#: a first read that has what it needs stops when nothing arrives for this long
-IDLE_GAP = 0.05
+#: a first read that has what it needs stops when nothing arrives for this long (shorter gaps end reads
+#: early on a busy machine, where a daemon with a backlog can wait that long for a CPU)
+IDLE_GAP = 0.2
 #: rows, and bytes of frames, per Arrow batch handed to Spark
 BATCH_ROWS = 8192
 BATCH_BYTES = 16 << 20
