@@ -7,10 +7,13 @@ the driver learns whether a new batch has data by a probe: per nsqd address a
 connection with RDY 1 reads under the lease of the next batch's first segment
 of that address's first partition (``run:b:j``). When it got a message the
 probe seals the lease and the batch is planned; the partition reopens the
-lease and gets that message as part of its read, so nothing is read twice. A
-probe gives its message back when the query stops before the batch is
-planned, or when its daemon sends ``CLOSE_WAIT`` (so a draining daemon need
-not wait for it).
+lease and gets that message as part of its read, so nothing is read twice.
+When the query stops before the batch is planned, the lease keeps the
+message for the next run, which reopens it by the same name (the run and
+batch come from the checkpoint) and takes it over; only if no run comes
+within the lease timeout is it delivered again. A probe gives its message
+back (``LREQ``) when its daemon sends ``CLOSE_WAIT``, so that a draining
+daemon need not wait for it.
 
 A daemon that cannot be reached is tried again with backoff (see
 :class:`~nsq_spark.client.Backoff`): meanwhile a probe reports no data (under
@@ -30,7 +33,7 @@ import logging
 import struct
 import threading
 
-from .client import FRAME_MESSAGE, Backoff, Connection, ConnectionLost, NSQError, retrying
+from .client import FRAME_MESSAGE, Backoff, Connection, ConnectionLost, retrying
 from .leases import lease_base, lease_consumer, lease_reply, open_lease, settle, unexpected
 from .options import ReadOptions
 
@@ -108,7 +111,7 @@ class Probe:
         self.lease = None
 
     def release(self) -> None:
-        """Give back what an unplanned lease holds, and close."""
+        """Give back what an unplanned lease holds (the daemon is draining), and close."""
         if self.conn is None:
             return
         try:
@@ -217,15 +220,12 @@ class LeaseDriver:
             self._acked_through = batch
 
     def close(self) -> None:
-        """Stop touching; give back what the probes hold for a batch that was never planned."""
+        """Stop touching and close; a probe's lease keeps its message for the next run."""
         self._stop.set()
         self._thread.join()
         with self._lock:
             for probe in self._probes:
-                try:
-                    probe.release()
-                except NSQError as exc:
-                    log.info("could not give back a probe's lease: %s", exc)
+                probe.close()
             for address in list(self._control):
                 self._drop_control(address)
 

@@ -18,8 +18,6 @@ ends (and the next run's first :meth:`latestOffset` does, in any case).
 
 from __future__ import annotations
 
-import signal
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -131,22 +129,5 @@ class NSQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def _driver_for(self, run: str) -> LeaseDriver:
         if self._driver is None or self._driver.run != run:
             self.stop()
-            _stop_on_sigterm()
             self._driver = LeaseDriver(self.opts, run)
         return self._driver
-
-
-def _stop_on_sigterm() -> None:
-    """Spark ends the driver's reader process with SIGTERM and never calls :meth:`stop`.
-
-    Turned into an exit, the signal lets the process's own ``finally`` call
-    ``stop()``, so the probes give their messages back at once instead of
-    holding them until their lease times out.
-    """
-    if threading.current_thread() is threading.main_thread() and \
-            signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _exit)
-
-
-def _exit(signum, frame) -> None:
-    raise SystemExit(0)

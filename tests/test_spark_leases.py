@@ -146,7 +146,7 @@ def test_driver_probes_plans_and_acknowledges(daemon):
         driver.close()
 
 
-def test_driver_touches_pending_leases_and_gives_back_an_unplanned_probe(daemon):
+def test_driver_touches_pending_leases_and_the_next_run_takes_over_an_unplanned_probe(daemon):
     addr = address(daemon)
     opts = ReadOptions.parse({"nsqd.address": addr, "topic": "l6", "channel": "c", "msgTimeoutMs": "2000"})
     publish(addr, "l6", bodies(5))
@@ -158,11 +158,20 @@ def test_driver_touches_pending_leases_and_gives_back_an_unplanned_probe(daemon)
         time.sleep(4.5)  # past the message timeout: only the keeper's LTOUCHes keep the leases
         assert settle_all(addr, "l6", "run:1:0", "LTOUCH") == 5
         publish(addr, "l6", [b"late"])  # the waiting probe takes it
-        time.sleep(0.2)
+        assert wait_for(lambda: settle_all(addr, "l6", "run:2:0", "LTOUCH") == 1, 5, 0.05)
     finally:
-        driver.close()  # batch 2 was never planned: the probe gives its message back
+        driver.close()  # batch 2 was never planned: its lease keeps the message for the next run
     assert settle_all(addr, "l6", "run:1:0", "LFIN") == 5
-    assert [(b, a) for _, a, b in consume(addr, "l6", "c", idle=0.3)] == [(b"late", 2)]
+    again = LeaseDriver(opts, "run")  # the query restarted from its checkpoint
+    try:
+        assert again.new_data(2)  # its probe reopened the lease
+        got = [(b, a) for batch in read_partition(opts, partitions_for(opts, "run", 2, replay=False)[0])
+               for b, a in zip(batch.column("body").to_pylist(), batch.column("attempts").to_pylist())]
+        assert got == [(b"late", 1)]  # taken over: not delivered again, no attempt counted
+        again.acknowledge(2)
+    finally:
+        again.close()
+    assert consume(addr, "l6", "c", idle=0.3) == []
 
 
 @pytest.fixture(scope="module")
