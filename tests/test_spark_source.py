@@ -134,17 +134,21 @@ def kill_mid_batch(addr, topic, tmp_path, total, options):
     return offsets - commits
 
 
-def restart(addr, topic, tmp_path, total, options):
-    child = run_child(addr, topic, tmp_path / "out", tmp_path / "ck", total, options)
-    _, err = child.communicate(timeout=180)
-    assert child.returncode == 0, err.decode()[-3000:]
+def restart(spark, addr, topic, tmp_path, total, options):
+    """The killed query's checkpoint, run on in this process until ``total`` rows are committed."""
+    query = stream_to_parquet(spark, addr, topic, tmp_path / "out", tmp_path / "ck", **options)
+    try:
+        assert wait_for(lambda: committed_rows(tmp_path / "out") >= total, 120, 0.1)
+    finally:
+        query.stop()
+        spark._nsq_settler.wait(10)
 
 
 def test_sigkill_mid_batch_then_restart_within_the_lease_timeout_is_exactly_once(spark, daemon, tmp_path):
     addr = address(daemon)
     options = {"numPartitions": 2, "maxMessagesPerTrigger": 600, "maxInFlight": 200, "msgTimeoutMs": 60000}
     kill_mid_batch(addr, "s3", tmp_path, 3000, options)
-    restart(addr, "s3", tmp_path, 3000, options)
+    restart(spark, addr, "s3", tmp_path, 3000, options)
     ids, rows = committed(spark, tmp_path / "out")
     assert len(ids) == len(set(ids)) == 3000  # the interrupted batch was replayed with the same messages
     assert {r.attempts for r in rows} == {1}  # and nothing was redelivered by a timeout
@@ -156,7 +160,7 @@ def test_sigkill_then_restart_past_the_lease_timeout_loses_nothing(spark, daemon
     options = {"numPartitions": 2, "maxMessagesPerTrigger": 600, "maxInFlight": 200, "msgTimeoutMs": 1000}
     kill_mid_batch(addr, "s4", tmp_path, 2000, options)
     time.sleep(2.5)  # the batch's leases expire: their messages are queued again
-    restart(addr, "s4", tmp_path, 2000, options)
+    restart(spark, addr, "s4", tmp_path, 2000, options)
     ids, rows = committed(spark, tmp_path / "out")
     assert set(ids) == {r.id for r in rows} and len(set(ids)) == 2000  # duplicates are allowed, loss is not
     assert max(r.attempts for r in rows) >= 2
