@@ -67,7 +67,7 @@ class Columns:
         return self._count
 
     def add_run(self, data: bytes | memoryview, starts: np.ndarray, base: int) -> None:
-        """Frames in ``data`` (kept as given, not copied), the first at ``starts[0] - base``, each ending where the next starts."""
+        """Frames in ``data`` (kept, not copied): the first at ``starts[0] - base``, each ends where the next starts."""
         positions = starts + (self.nbytes - base)
         self._pieces.append(data)
         self._starts.append(positions)
@@ -99,8 +99,9 @@ class Columns:
         heads = parts.take(pa.array(np.arange(0, 2 * n, 2)))
         head = np.frombuffer(heads.buffers()[2], _HEAD, count=n)
         stamps = head["ts"] // 1000
+        ids = pa.py_buffer(np.ascontiguousarray(head["id"]))
         return pa.RecordBatch.from_arrays([
-            pa.Array.from_buffers(pa.string(), n, [None, _offsets(n, 16), pa.py_buffer(np.ascontiguousarray(head["id"]))]),
+            pa.Array.from_buffers(pa.string(), n, [None, _offsets(n, 16), ids]),
             parts.take(pa.array(np.arange(1, 2 * n, 2))),
             pa.Array.from_buffers(ARROW_SCHEMA.field("timestamp").type, n, [None, pa.py_buffer(stamps)]),
             pa.Array.from_buffers(pa.int32(), n, [None, pa.py_buffer(head["attempts"].astype(np.int32))]),

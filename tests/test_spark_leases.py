@@ -220,7 +220,8 @@ def test_options_are_checked():
     opts = ReadOptions.parse({**base, "MAXMESSAGESPERTRIGGER": "10", "numpartitions": "3"})
     assert [opts.share(opts.max_messages, p) for p in range(3)] == [4, 3, 3]
     assert opts.num_partitions == 3 and opts.max_delay == 1.0
-    assert parse_duration("x", "250ms") == 0.25 and parse_duration("x", "2m") == 120 and parse_duration("x", "5") == 0.005
+    assert parse_duration("x", "250ms") == 0.25 and parse_duration("x", "2m") == 120
+    assert parse_duration("x", "5") == 0.005
     with pytest.raises(OptionError, match="unknown option 'chanel'"):
         ReadOptions.parse({**base, "chanel": "c"})
     with pytest.raises(OptionError, match="must be at least the number of nsqd addresses"):
@@ -230,6 +231,12 @@ def test_options_are_checked():
     with pytest.raises(OptionError, match="not host:port"):
         WriteOptions.parse({"nsqd.address": "localhost"})
     assert WriteOptions.parse({"nsqd.address": "h:1", "checkpointLocation": "/x"}).topic is None
+    assert opts.reconnect_timeout == 300
+    assert WriteOptions.parse({"nsqd.address": "h:1", "reconnectTimeout": "30s"}).reconnect_timeout == 30
+    assert ReadOptions.parse({**base, "topic": "a" * 54 + "#ephemeral"}).topic.endswith("#ephemeral")
+    for name in ("a" * 65, "t#ephemeral#ephemeral", "orders_us extra", "t\nPUB x", ""):
+        with pytest.raises(OptionError, match="option 'topic'"):
+            ReadOptions.parse({**base, "topic": name})
 
 
 # ---------------------------------------------------------------- lost connections and daemon restarts
