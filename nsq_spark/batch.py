@@ -13,6 +13,7 @@ import uuid
 
 from pyspark.sql.datasource import DataSourceReader
 
+from .leases import Subscription
 from .options import ReadOptions
 from .stream import LeasePartition, partitions_for, read_partition
 
@@ -22,6 +23,11 @@ class NSQBatchReader(DataSourceReader):
         self.opts = opts
 
     def partitions(self) -> list[LeasePartition]:
+        """The partitions, once every daemon has been asked whether it takes our options."""
+        for address in self.opts.addresses:
+            link = Subscription(self.opts, address)
+            link.connect()
+            link.close()
         return partitions_for(self.opts, uuid.uuid4().hex, 0, replay=False)
 
     def read(self, partition: LeasePartition):

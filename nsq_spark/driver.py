@@ -7,9 +7,20 @@ the driver learns whether a new batch has data by a probe: per nsqd address a
 connection with RDY 1 reads under the lease of the next batch's first segment
 of that address's first partition (``run:b:j``). When it got a message the
 probe seals the lease and the batch is planned; the partition reopens the
-lease and gets that message as part of its read, so nothing is read twice. A
-probe gives its message back only when the query stops before the batch is
-planned.
+lease and gets that message as part of its read, so nothing is read twice.
+When the query stops before the batch is planned, the lease keeps the
+message for the next run, which reopens it by the same name (the run and
+batch come from the checkpoint) and takes it over; only if no run comes
+within the lease timeout is it delivered again. A probe gives its message
+back (``LREQ``) when its daemon sends ``CLOSE_WAIT``, so that a draining
+daemon need not wait for it.
+
+A daemon that cannot be reached is tried again with backoff (see
+:class:`~nsq_spark.client.Backoff`): meanwhile a probe reports no data (under
+``Trigger.AvailableNow`` it waits, so the query does not end early), and
+settling waits, so ``commit`` returns only once the leases are finished. The
+settling connections are opened with the first probe, so that a daemon that
+starts draining still takes their ``LFIN``.
 
 A background thread touches the leases of batches that are not acknowledged
 yet (a batch may run longer than the message timeout) and keeps the driver's
@@ -22,13 +33,15 @@ import logging
 import struct
 import threading
 
-from .client import FRAME_MESSAGE, Connection, NSQError, lease_consumer
-from .leases import IDLE_GAP, lease_base, lease_reply, open_lease, settle, unexpected
+from .client import FRAME_MESSAGE, Backoff, Connection, ConnectionLost, retrying
+from .leases import lease_base, lease_consumer, lease_reply, open_lease, settle, unexpected
 from .options import ReadOptions
 
 log = logging.getLogger("nsq_spark")
 
 _TIMESTAMP = struct.Struct(">q")
+#: how long a probe that opens a new lease waits for a message before it says there is none (for now)
+PROBE_WAIT = 0.05
 
 
 class Probe:
@@ -37,23 +50,47 @@ class Probe:
     def __init__(self, opts: ReadOptions, address: str) -> None:
         self.opts = opts
         self.address = address
+        self.backoff = Backoff(opts.reconnect_timeout)
         self.conn: Connection | None = None
         self.lease: str | None = None
         #: messages held under ``lease``, and the publish time (ns) of the first
         self.held = 0
         self.first_ns: int | None = None
 
+    def look(self, lease: str) -> bool:
+        """Read under ``lease`` and take in what arrived; False while the daemon cannot be reached.
+
+        Raises once it has been unreachable for ``reconnectTimeout``.
+        """
+        if self.conn is None and not self.backoff.ready():
+            return False
+        try:
+            if self.lease != lease:
+                self.arm(lease)
+            self._take(self.conn.read_frames(0))
+            if self.conn.closing:
+                self.release()
+                raise ConnectionLost(f"nsqd {self.address} is shutting down")
+        except ConnectionLost as exc:
+            self.close()
+            self.backoff.failed(exc)
+            return False
+        self.backoff.succeeded()
+        return True
+
     def arm(self, lease: str) -> None:
         """Read under ``lease`` from now on; one left by an earlier process is taken over with its message."""
         if self.conn is None:
-            self.conn = lease_consumer(self.address, self.opts.topic, self.opts.channel, self.opts.msg_timeout_ms)
+            opts = self.opts
+            self.conn = lease_consumer(self.address, opts.topic, opts.channel, opts.msg_timeout_ms,
+                                       opts.max_in_flight)
         self.lease, self.held, self.first_ns = lease, 0, None
         reply = open_lease(self.conn, lease, after="RDY 1\n")
         left = reply["count"] if reply["reopened"] else 0
         while left:
             left -= self._take(self.conn.read_frames(self.conn.timeout))
         if not reply["reopened"]:
-            self._take(self.conn.read_frames(IDLE_GAP))
+            self._take(self.conn.read_frames(PROBE_WAIT))
 
     def poll(self) -> None:
         """Take in whatever arrived (and answer heartbeats) without waiting."""
@@ -62,13 +99,19 @@ class Probe:
 
     def seal(self) -> None:
         """Stop reading: the lease keeps what it holds for the batch to reopen."""
-        self.conn.send(b"RDY 0\nLEASE\n")
-        self._take(self._skip_messages())
-        lease_reply(self.conn)
+        if self.conn is None:
+            return
+        try:
+            self.conn.send(b"RDY 0\nLEASE\n")
+            self._take(self._skip_messages())
+            lease_reply(self.conn)
+        except ConnectionLost as exc:  # closing the connection seals the lease all the same
+            self.close()
+            self.backoff.failed(exc)
         self.lease = None
 
     def release(self) -> None:
-        """Give back what an unplanned lease holds (the query stops), and close."""
+        """Give back what an unplanned lease holds (the daemon is draining), and close."""
         if self.conn is None:
             return
         try:
@@ -87,13 +130,14 @@ class Probe:
 
     def _skip_messages(self) -> list[tuple[int, bytes]]:
         """Message frames that came before the next response; the response is left to read."""
-        messages = []
-        while True:
-            frame = self.conn.read_frame()
-            if frame[0] != FRAME_MESSAGE:
-                self.conn.unread([frame])
-                return messages
-            messages.append(frame)
+        conn, messages = self.conn, []
+        while not conn.frame_waiting():
+            frame = conn.next_frame()
+            if frame is not None:
+                messages.append(frame)
+            elif not conn.fill(conn.timeout):
+                raise ConnectionLost(f"nsqd {self.address}: no answer within {conn.timeout:g} s")
+        return messages
 
     def _take(self, frames: list[tuple[int, bytes]]) -> int:
         for kind, data in frames:
@@ -108,9 +152,9 @@ class Probe:
 class LeaseDriver:
     """Leases of one run, as the driver sees them: probes, pending batches, acknowledgements.
 
-    Every operation is by lease name and can be repeated, so a broken
-    connection is handled by closing everything and doing the operation once
-    more on new connections (a probe's lease is then reopened with what it held).
+    Every operation is by lease name and can be repeated, so a lost
+    connection is handled by closing it and doing the operation again on a
+    new one (a probe's lease is then reopened with what it held).
     """
 
     def __init__(self, opts: ReadOptions, run: str) -> None:
@@ -118,6 +162,7 @@ class LeaseDriver:
         self.run = run
         self._lock = threading.Lock()
         self._control: dict[str, Connection] = {}
+        self._backoff = {address: Backoff(opts.reconnect_timeout) for address in opts.addresses}
         self._probes = [Probe(opts, address) for address in opts.addresses]
         #: batches whose leases may exist and are not finished
         self._pending: set[int] = set()
@@ -132,11 +177,24 @@ class LeaseDriver:
     def new_data(self, batch: int, cutoff_ns: int | None = None) -> bool:
         """Whether batch ``batch`` has data (published by ``cutoff_ns``, if given).
 
-        If so its probes are sealed and the batch counts as fresh.
+        If so its probes are sealed and the batch counts as fresh. With a
+        cutoff (Trigger.AvailableNow) a daemon that cannot be reached is
+        waited for, as "no data" would end the query.
         """
         with self._lock:
             self._pending.add(batch)
-            return self._retry(self._probe, batch, cutoff_ns)
+            for probe in self._probes:
+                self._open_control(probe.address)
+            for j, probe in enumerate(self._probes):
+                lease = lease_base(self.run, batch, j)
+                while not probe.look(lease) and cutoff_ns is not None:
+                    probe.backoff.wait()
+            if not any(p.held and (cutoff_ns is None or p.first_ns <= cutoff_ns) for p in self._probes):
+                return False
+            for probe in self._probes:
+                probe.seal()
+            self._fresh.add(batch)
+            return True
 
     def is_fresh(self, batch: int) -> bool:
         return batch in self._fresh
@@ -147,79 +205,85 @@ class LeaseDriver:
             self._pending.add(batch)
 
     def acknowledge(self, batch: int) -> None:
-        """Finish the leases of every batch up to ``batch``: Spark has committed them."""
+        """Finish the leases of every batch up to ``batch``: Spark has committed them.
+
+        Returns once they are finished, waiting for a daemon that cannot be
+        reached (up to ``reconnectTimeout``, then it raises).
+        """
         if batch <= self._acked_through:
             return
         with self._lock:
             for b in sorted({b for b in self._pending if b <= batch} | {batch}):
-                self._retry(self._settle, b, "LFIN")
+                self._settle(b, "LFIN", retry=True)
                 self._pending.discard(b)
                 self._fresh.discard(b)
             self._acked_through = batch
 
     def close(self) -> None:
-        """Stop touching; give back what the probes hold for a batch that was never planned."""
+        """Stop touching and close; a probe's lease keeps its message for the next run."""
         self._stop.set()
         self._thread.join()
         with self._lock:
             for probe in self._probes:
-                try:
-                    probe.release()
-                except NSQError as exc:
-                    log.warning("could not give back a probe's lease: %s", exc)
-            self._close_connections()
+                probe.close()
+            for address in list(self._control):
+                self._drop_control(address)
 
     # ------------------------------------------------------------ internals
-    def _probe(self, batch: int, cutoff_ns: int | None) -> bool:
-        for j, probe in enumerate(self._probes):
-            lease = lease_base(self.run, batch, j)
-            if probe.lease != lease:
-                probe.arm(lease)
-            probe.poll()
-        if not any(p.held and (cutoff_ns is None or p.first_ns <= cutoff_ns) for p in self._probes):
-            return False
-        for probe in self._probes:
-            probe.seal()
-        self._fresh.add(batch)
-        return True
-
-    def _settle(self, batch: int, verb: str) -> None:
+    def _settle(self, batch: int, verb: str, retry: bool) -> None:
         addresses = self.opts.addresses
         for p in range(self.opts.num_partitions):
-            settle(self._connection(addresses[p % len(addresses)]), lease_base(self.run, batch, p), verb)
+            address = addresses[p % len(addresses)]
+            base = lease_base(self.run, batch, p)
+            if retry:
+                retrying(self._backoff[address], lambda a=address, b=base: settle(self._connection(a), b, verb),
+                         on_lost=lambda a=address: self._drop_control(a))
+            else:
+                settle(self._connection(address), base, verb)
 
     def _connection(self, address: str) -> Connection:
         conn = self._control.get(address)
         if conn is None:
             opts = self.opts
-            conn = self._control[address] = lease_consumer(address, opts.topic, opts.channel, opts.msg_timeout_ms)
+            conn = self._control[address] = lease_consumer(address, opts.topic, opts.channel, opts.msg_timeout_ms,
+                                                           opts.max_in_flight)
         return conn
 
-    def _retry(self, operation, *args):
+    def _open_control(self, address: str) -> None:
+        """Open the settling connection ahead of need, if the daemon can be reached now."""
+        backoff = self._backoff[address]
+        if address in self._control or not backoff.ready():
+            return
         try:
-            return operation(*args)
-        except NSQError as exc:
-            log.warning("nsqd connection lost, retrying once: %s", exc)
-            self._close_connections()
-            return operation(*args)
+            self._connection(address)
+        except ConnectionLost as exc:
+            backoff.failed(exc)
+        else:
+            backoff.succeeded()
 
-    def _close_connections(self) -> None:
-        for conn in self._control.values():
+    def _drop_control(self, address: str) -> None:
+        conn = self._control.pop(address, None)
+        if conn is not None:
             conn.close()
-        self._control.clear()
-        for probe in self._probes:
-            probe.close()
 
     def _keep(self, interval: float) -> None:
         while not self._stop.wait(interval):
             with self._lock:
-                try:
-                    for batch in sorted(self._pending):
-                        self._settle(batch, "LTOUCH")
-                    for probe in self._probes:
+                for batch in sorted(self._pending):
+                    try:
+                        self._settle(batch, "LTOUCH", retry=False)
+                    except Exception as exc:  # the next operation connects again (or reports the error)
+                        log.info("touching leases failed: %s", exc)
+                        for address in list(self._control):
+                            self._drop_control(address)
+                        break
+                for probe in self._probes:
+                    try:
                         probe.poll()
-                    for conn in self._control.values():
+                    except ConnectionLost:
+                        probe.close()
+                for address, conn in list(self._control.items()):
+                    try:
                         conn.read_frames(0)
-                except NSQError as exc:  # the next operation reconnects
-                    log.warning("touching leases failed: %s", exc)
-                    self._close_connections()
+                    except ConnectionLost:
+                        self._drop_control(address)

@@ -16,8 +16,13 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(us|ms|s|sec|m|min|h|d)?\s*$", re
 _UNIT_SECONDS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 
 READ_OPTIONS = ("nsqd.address", "topic", "channel", "maxMessagesPerTrigger", "minMessagesPerTrigger",
-                "maxTriggerDelay", "numPartitions", "maxInFlight", "msgTimeoutMs")
-WRITE_OPTIONS = ("nsqd.address", "topic")
+                "maxTriggerDelay", "numPartitions", "maxInFlight", "msgTimeoutMs", "reconnectTimeout")
+WRITE_OPTIONS = ("nsqd.address", "topic", "reconnectTimeout")
+#: how long a lost daemon is retried before the task or query fails
+DEFAULT_RECONNECT_TIMEOUT = "5m"
+#: nsqd's rule for topic and channel names (nsqd/names.py; executors need not have the daemon installed)
+_NAME = re.compile(r"^[.a-zA-Z0-9_-]{1,64}$")
+NAME_RULE = "1 to 64 characters of letters, digits, '.', '_' and '-', optionally ending in '#ephemeral'"
 #: options Spark itself adds to those the user gave
 SPARK_OPTIONS = frozenset({"checkpointlocation"})
 
@@ -73,11 +78,29 @@ def parse_duration(name: str, raw: str) -> float:
     return float(match.group(1)) * _UNIT_SECONDS[(match.group(2) or "ms").lower()]
 
 
-def _name(values: dict[str, str], name: str) -> str:
+def is_valid_name(name: str) -> bool:
+    """Whether nsqd accepts ``name`` as a topic or channel name."""
+    base = name[:-len("#ephemeral")] if name.endswith("#ephemeral") else name
+    return len(name) <= 64 and _NAME.match(base) is not None
+
+
+def _name(values: dict[str, str], name: str, required: bool = True) -> str | None:
+    """A topic or channel option, checked against nsqd's rule (a bad name would reach another topic)."""
     value = values.get(name, "").strip()
     if not value:
-        raise OptionError(f"option {name!r} is required")
+        if required:
+            raise OptionError(f"option {name!r} is required")
+        return None
+    if not is_valid_name(value):
+        raise OptionError(f"option {name!r} is {value!r}, not a valid nsq {name} name ({NAME_RULE})")
     return value
+
+
+def _reconnect_timeout(values: dict[str, str]) -> float:
+    seconds = parse_duration("reconnectTimeout", values.get("reconnectTimeout", DEFAULT_RECONNECT_TIMEOUT))
+    if seconds <= 0:
+        raise OptionError("option 'reconnectTimeout' must be positive")
+    return seconds
 
 
 @dataclass(frozen=True)
@@ -95,6 +118,8 @@ class ReadOptions:
     #: RDY of each partition's connection, which is also the size of one lease segment
     max_in_flight: int
     msg_timeout_ms: int
+    #: how long a partition or the driver keeps trying to reach a daemon it lost, in seconds
+    reconnect_timeout: float
 
     @classmethod
     def parse(cls, options) -> ReadOptions:
@@ -114,6 +139,7 @@ class ReadOptions:
             num_partitions=partitions,
             max_in_flight=_int(values, "maxInFlight", 2500, 1),
             msg_timeout_ms=_int(values, "msgTimeoutMs", 60000, 1000),
+            reconnect_timeout=_reconnect_timeout(values),
         )
 
     def share(self, total: int | None, partition: int) -> int | None:
@@ -129,9 +155,10 @@ class WriteOptions:
     addresses: tuple[str, ...]
     #: the topic of rows that have no ``topic`` column (or a null in it)
     topic: str | None
+    reconnect_timeout: float
 
     @classmethod
     def parse(cls, options) -> WriteOptions:
         values = _check_known(options, WRITE_OPTIONS, "sink")
-        topic = values.get("topic", "").strip() or None
-        return cls(addresses=_addresses(values), topic=topic)
+        return cls(addresses=_addresses(values), topic=_name(values, "topic", required=False),
+                   reconnect_timeout=_reconnect_timeout(values))

@@ -31,6 +31,8 @@ class NSQDataSource(DataSource):
         return NSQStreamReader(ReadOptions.parse(self.options))
 
     def writer(self, schema: StructType, overwrite: bool) -> NSQWriter:
+        if overwrite:
+            raise OptionError("the nsq sink publishes messages, it cannot overwrite a topic: use mode('append')")
         opts = WriteOptions.parse(self.options)
         return NSQWriter(opts, check_columns(schema, opts))
 

@@ -11,7 +11,7 @@ id in the body if consumers must recognise a replayed message).
 
 Locally::
 
-    python pipelines/replay.py --nsqd 127.0.0.1:4150 --archive data/page_views/archive \\
+    python pipelines/replay.py --nsqd 127.0.0.1:4150 --archive out/page_views/archive \\
         --topic page_views_replay --since 2024-05-01T00:00:00
 
 On a cluster::
@@ -33,14 +33,20 @@ import nsq_spark
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nsqd", default="127.0.0.1:4150", help="nsqd TCP address(es), comma separated")
-    parser.add_argument("--archive", default="data/page_views/archive", help="Parquet with a body column")
+    parser.add_argument("--archive", default="out/page_views/archive", help="Parquet with a body column")
     parser.add_argument("--topic", default="page_views_replay", help="topic to publish to")
     parser.add_argument("--since", help="only messages published at or after this time (ISO 8601)")
     parser.add_argument("--until", help="only messages published before this time (ISO 8601)")
-    parser.add_argument("--partitions", type=int, default=0, help="publish from this many partitions (0: as read)")
+    parser.add_argument("--partitions", type=int, default=2, help="publish from this many partitions")
+    parser.add_argument("--log-level", default="ERROR", help="Spark's log level (WARN, INFO, ...)")
     args = parser.parse_args()
 
-    spark = SparkSession.builder.appName("replay").getOrCreate()
+    # the sort's shuffle makes the partitions that publish: a few, not Spark's default 200
+    spark = (SparkSession.builder.appName("replay")
+             .config("spark.sql.shuffle.partitions", str(args.partitions))
+             .config("spark.log.level", args.log_level)
+             .config("spark.ui.showConsoleProgress", "false")
+             .getOrCreate())
     nsq_spark.register(spark)
     archive = spark.read.parquet(args.archive)
     if args.since:
@@ -48,8 +54,6 @@ def main() -> None:
     if args.until:
         archive = archive.where(F.col("timestamp") < F.to_timestamp(F.lit(args.until)))
     bodies = archive.orderBy("timestamp").select("body")
-    if args.partitions:
-        bodies = bodies.coalesce(args.partitions)
     count = bodies.count()
     bodies.write.format("nsq").option("nsqd.address", args.nsqd).option("topic", args.topic).mode("append").save()
     print(f"replayed {count} messages into {args.topic}")

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import signal
+import socket
+import struct
 import threading
 import time
 
+import pyarrow as pa
 import pytest
 
-from nsq_spark.client import Connection, lease_consumer
+from nsq_spark import leases
+from nsq_spark.client import Connection, ConnectionLost
 from nsq_spark.driver import LeaseDriver
-from nsq_spark.leases import LeaseReader, lease_reply, settle
+from nsq_spark.leases import LeaseReader, Subscription, lease_consumer, lease_reply, settle
 from nsq_spark.options import OptionError, ReadOptions, WriteOptions, parse_duration
 from nsq_spark.rows import ARROW_SCHEMA, Columns
+from nsq_spark.sink import Publisher
 from nsq_spark.stream import partitions_for, read_partition
 
-from .test_spark_support import Daemon, address, consume, daemon, publish, wait_for  # noqa: F401
+from .test_spark_support import (Daemon, RestartableDaemon, address, consume, daemon, publish,  # noqa: F401
+                                 wait_for)
 
 
 def bodies(n, prefix=b"m"):
@@ -24,14 +30,17 @@ def bodies(n, prefix=b"m"):
 
 def read(addr, topic, lease, *, replay=False, max_in_flight=100, max_messages=None, min_messages=0,
          max_delay=5.0, channel="c"):
-    """One partition read on its own connection: (ids, bodies, segments)."""
-    with lease_consumer(addr, topic, channel, 60000) as conn:
-        reader = LeaseReader(conn, lease, Columns(topic, channel), replay=replay, max_in_flight=max_in_flight,
-                             max_messages=max_messages, min_messages=min_messages, max_delay=max_delay)
+    """One partition read on its own connection: (ids, bodies, segments as (name, count))."""
+    link = Subscription(ReadOptions.parse({"nsqd.address": addr, "topic": topic, "channel": channel}), addr)
+    reader = LeaseReader(link, lease, Columns(topic, channel), replay=replay, max_in_flight=max_in_flight,
+                         max_messages=max_messages, min_messages=min_messages, max_delay=max_delay)
+    try:
         batches = list(reader.batches())
+    finally:
+        link.close()
     assert all(b.schema.equals(ARROW_SCHEMA) for b in batches)
     ids = [i for b in batches for i in b.column("id").to_pylist()]
-    return ids, [x for b in batches for x in b.column("body").to_pylist()], reader.segments
+    return ids, [x for b in batches for x in b.column("body").to_pylist()], list(reader.segments.items())
 
 
 def lease_command(addr, topic, line, channel="c"):
@@ -137,7 +146,7 @@ def test_driver_probes_plans_and_acknowledges(daemon):
         driver.close()
 
 
-def test_driver_touches_pending_leases_and_gives_back_an_unplanned_probe(daemon):
+def test_driver_touches_pending_leases_and_the_next_run_takes_over_an_unplanned_probe(daemon):
     addr = address(daemon)
     opts = ReadOptions.parse({"nsqd.address": addr, "topic": "l6", "channel": "c", "msgTimeoutMs": "2000"})
     publish(addr, "l6", bodies(5))
@@ -149,11 +158,20 @@ def test_driver_touches_pending_leases_and_gives_back_an_unplanned_probe(daemon)
         time.sleep(4.5)  # past the message timeout: only the keeper's LTOUCHes keep the leases
         assert settle_all(addr, "l6", "run:1:0", "LTOUCH") == 5
         publish(addr, "l6", [b"late"])  # the waiting probe takes it
-        time.sleep(0.2)
+        assert wait_for(lambda: settle_all(addr, "l6", "run:2:0", "LTOUCH") == 1, 5, 0.05)
     finally:
-        driver.close()  # batch 2 was never planned: the probe gives its message back
+        driver.close()  # batch 2 was never planned: its lease keeps the message for the next run
     assert settle_all(addr, "l6", "run:1:0", "LFIN") == 5
-    assert [(b, a) for _, a, b in consume(addr, "l6", "c", idle=0.3)] == [(b"late", 2)]
+    again = LeaseDriver(opts, "run")  # the query restarted from its checkpoint
+    try:
+        assert again.new_data(2)  # its probe reopened the lease
+        got = [(b, a) for batch in read_partition(opts, partitions_for(opts, "run", 2, replay=False)[0])
+               for b, a in zip(batch.column("body").to_pylist(), batch.column("attempts").to_pylist())]
+        assert got == [(b"late", 1)]  # taken over: not delivered again, no attempt counted
+        again.acknowledge(2)
+    finally:
+        again.close()
+    assert consume(addr, "l6", "c", idle=0.3) == []
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +220,8 @@ def test_options_are_checked():
     opts = ReadOptions.parse({**base, "MAXMESSAGESPERTRIGGER": "10", "numpartitions": "3"})
     assert [opts.share(opts.max_messages, p) for p in range(3)] == [4, 3, 3]
     assert opts.num_partitions == 3 and opts.max_delay == 1.0
-    assert parse_duration("x", "250ms") == 0.25 and parse_duration("x", "2m") == 120 and parse_duration("x", "5") == 0.005
+    assert parse_duration("x", "250ms") == 0.25 and parse_duration("x", "2m") == 120
+    assert parse_duration("x", "5") == 0.005
     with pytest.raises(OptionError, match="unknown option 'chanel'"):
         ReadOptions.parse({**base, "chanel": "c"})
     with pytest.raises(OptionError, match="must be at least the number of nsqd addresses"):
@@ -212,3 +231,186 @@ def test_options_are_checked():
     with pytest.raises(OptionError, match="not host:port"):
         WriteOptions.parse({"nsqd.address": "localhost"})
     assert WriteOptions.parse({"nsqd.address": "h:1", "checkpointLocation": "/x"}).topic is None
+    assert opts.reconnect_timeout == 300
+    assert WriteOptions.parse({"nsqd.address": "h:1", "reconnectTimeout": "30s"}).reconnect_timeout == 30
+    assert ReadOptions.parse({**base, "topic": "a" * 54 + "#ephemeral"}).topic.endswith("#ephemeral")
+    for name in ("a" * 65, "t#ephemeral#ephemeral", "orders_us extra", "t\nPUB x", ""):
+        with pytest.raises(OptionError, match="option 'topic'"):
+            ReadOptions.parse({**base, "topic": name})
+
+
+# ---------------------------------------------------------------- lost connections and daemon restarts
+@pytest.fixture
+def restartable(tmp_path):
+    d = RestartableDaemon(tmp_path / "nsqd", "--shutdown-grace=5s")
+    yield d
+    if d.proc.poll() is None:
+        d.stop(signal.SIGKILL)
+
+
+def reader_for(addr, topic, lease, **limits):
+    link = Subscription(ReadOptions.parse({"nsqd.address": addr, "topic": topic, "channel": "c",
+                                           "reconnectTimeout": "30s"}), addr)
+    return LeaseReader(link, lease, Columns(topic, "c"), replay=False, **{
+        "max_in_flight": 100, "max_messages": None, "min_messages": 0, "max_delay": 10.0, **limits})
+
+
+def read_in_thread(reader):
+    """Run ``reader`` in a thread; returns the thread and the list its bodies go to."""
+    got = []
+
+    def run():
+        try:
+            for batch in reader.batches():
+                got.extend(batch.column("body").to_pylist())
+        finally:
+            reader.link.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, got
+
+
+def test_a_read_whose_connection_breaks_goes_on_without_repeating_or_losing(daemon, monkeypatch):
+    addr = address(daemon)
+    publish(addr, "r1", bodies(1000))
+    monkeypatch.setattr(leases, "BATCH_ROWS", 60)  # hand batches over mid-segment
+    reader = reader_for(addr, "r1", "cut:1:0")
+    got = []
+    for i, batch in enumerate(reader.batches()):
+        got.extend(batch.column("body").to_pylist())
+        if i in (1, 4, 9):
+            reader.link.conn.sock.shutdown(socket.SHUT_RDWR)  # whatever was on its way is lost with it
+    reader.link.close()
+    assert got == bodies(1000)  # the reopened segment sent what was lost; what was handed over is skipped
+    assert settle_all(addr, "r1", "cut:1:0", "LFIN") == 1000  # and the segment names have no gaps
+    assert consume(addr, "r1", "c", idle=0.3) == []
+
+
+def test_close_wait_ends_a_read_with_what_it_has_and_the_drain_takes_lfin(restartable):
+    addr = address(restartable)
+    publish(addr, "r2", bodies(100))
+    settler = lease_consumer(addr, "r2", "c", 60000)  # subscribed before the drain, as the driver's is
+    thread, got = read_in_thread(reader_for(addr, "r2", "cw:1:0", min_messages=1000, max_delay=60.0))
+    assert wait_for(lambda: lease_command(addr, "r2", "LTOUCH cw:1:0")["count"] == 100, 10, 0.05)
+    started = time.monotonic()
+    restartable.proc.send_signal(signal.SIGTERM)
+    thread.join(10)
+    assert not thread.is_alive() and time.monotonic() - started < 3  # it did not wait for its minimum
+    assert got == bodies(100)
+    assert settle(settler, "cw:1:0", "LFIN") == 100  # the draining daemon still settles leases
+    settler.close()
+    assert restartable.proc.wait(10) == 0
+    restartable.start()
+    assert consume(addr, "r2", "c", idle=0.5) == []  # finished before the restart: nothing comes back
+
+
+def test_a_read_survives_a_daemon_crash_and_goes_on_under_fresh_segment_names(restartable):
+    addr = address(restartable)
+    publish(addr, "r3", bodies(100))
+    reader = reader_for(addr, "r3", "kill:1:0", max_in_flight=40, min_messages=150, max_delay=60.0)
+    thread, got = read_in_thread(reader)
+    assert wait_for(lambda: len(reader.columns) + len(got) == 100, 10, 0.05)
+    restartable.stop(signal.SIGKILL)  # the 100 in memory are gone with it
+    time.sleep(1)
+    assert thread.is_alive()  # waiting for the daemon
+    restartable.start()
+    with lease_consumer(addr, "r3", "c", 60000):  # the channel exists again before the publish
+        publish(addr, "r3", bodies(50, b"n"))
+    thread.join(30)
+    assert not thread.is_alive()
+    assert got == bodies(100) + bodies(50, b"n")
+    names = list(reader.segments)  # renamed from the first: no gap for LFIN
+    assert names == [leases.segment_name("kill:1:0", i) for i in range(len(names))]
+    assert sum(reader.segments.values()) == 50
+    assert settle_all(addr, "r3", "kill:1:0", "LFIN") == 50
+    assert consume(addr, "r3", "c", idle=0.3) == []
+
+
+def test_the_driver_waits_for_a_daemon_that_is_away(restartable):
+    addr = address(restartable)
+    opts = ReadOptions.parse({"nsqd.address": addr, "topic": "r4", "channel": "c", "reconnectTimeout": "30s"})
+    publish(addr, "r4", bodies(10))
+    driver = LeaseDriver(opts, "run")
+    try:
+        assert wait_for(lambda: driver.new_data(1), 5, 0.01)
+        assert len([b for p in partitions_for(opts, "run", 1, replay=False) for b in read_partition(opts, p)][0]) == 10
+        restartable.stop(signal.SIGKILL)
+        started = time.monotonic()
+        assert not driver.new_data(2) and time.monotonic() - started < 1  # no data while away, at once
+        acked = threading.Thread(target=driver.acknowledge, args=(1,), daemon=True)
+        acked.start()
+        time.sleep(1)
+        assert acked.is_alive()  # commit() does not return before the leases are settled
+        restartable.start()
+        acked.join(10)
+        assert not acked.is_alive()
+        with lease_consumer(addr, "r4", "c", 60000):
+            publish(addr, "r4", [b"after"])
+        assert wait_for(lambda: driver.new_data(2), 10, 0.1)
+    finally:
+        driver.close()
+
+
+def test_the_driver_gives_up_after_the_reconnect_timeout(restartable):
+    addr = address(restartable)
+    opts = ReadOptions.parse({"nsqd.address": addr, "topic": "r5", "channel": "c", "reconnectTimeout": "1s"})
+    driver = LeaseDriver(opts, "run")
+    try:
+        assert not driver.new_data(1)
+        restartable.stop(signal.SIGKILL)
+        with pytest.raises(ConnectionLost, match="gave up after 1 s"):
+            wait_for(lambda: driver.new_data(1), 5, 0.05)
+    finally:
+        driver.close()
+
+
+def test_the_sink_publishes_through_a_graceful_restart(restartable):
+    addr = address(restartable)
+    consume(addr, "r6", "check", idle=0.1)
+    opts = WriteOptions.parse({"nsqd.address": addr, "topic": "r6", "reconnectTimeout": "30s"})
+    publisher = Publisher(opts, addr, {"body": "body"}, 0)
+    sent = [bodies(500, b"%03d-" % i) for i in range(40)]
+
+    def run():
+        for chunk in sent:
+            publisher.publish(pa.record_batch([pa.array(chunk, pa.binary())], names=["body"]))
+            time.sleep(0.02)
+        publisher.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    time.sleep(0.3)
+    restartable.restart(signal.SIGTERM, pause=0.5)
+    thread.join(60)
+    assert not thread.is_alive()
+    got = sorted(b for _, _, b in consume(addr, "r6", "check", idle=0.5))
+    assert got == sorted(b for chunk in sent for b in chunk)  # declined batches were published again, once
+
+
+def test_message_runs_are_taken_around_heartbeats_and_close_wait():
+    def message(i):
+        data = struct.pack(">qH", 1_700_000_000_000_000_000 + i, 1) + b"%016d" % i + b"body%d" % i
+        return struct.pack(">ii", len(data) + 4, 2) + data
+
+    def response(data):
+        return struct.pack(">ii", len(data) + 4, 0) + data
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        conn = Connection(f"127.0.0.1:{server.getsockname()[1]}")
+        peer, _ = server.accept()
+        stream = b"".join([message(0), message(1), response(b"_heartbeat_"), message(2), message(3),
+                           response(b"CLOSE_WAIT"), message(4), message(5), response(b"OK")])
+        peer.sendall(stream)
+        while conn._end < len(stream):
+            conn.fill(1)
+        columns = Columns("t", "c")
+        assert conn.take_messages(columns, 5) == 5  # the limit
+        assert conn.take_messages(columns, 5) == 1 and conn.frame_waiting()
+        assert conn.next_frame() == (0, b"OK")
+        assert conn.closing
+        assert columns.take().column("body").to_pylist() == [b"body%d" % i for i in range(6)]
+        peer.settimeout(1)
+        assert peer.recv(100) == b"  V2NOP\n"  # the heartbeat was answered
+        peer.close()
+        conn.close()

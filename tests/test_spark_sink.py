@@ -65,3 +65,28 @@ def test_error_response_fails_the_write(spark, daemon):
     with pytest.raises(Exception, match="E_BAD_MESSAGE"):
         df.write.format("nsq").option("nsqd.address", address(daemon)).option("topic", "out5") \
             .mode("append").save()
+
+
+def test_an_invalid_topic_option_is_refused_before_publishing(spark, daemon):
+    addr = address(daemon)
+    consume(addr, "bad", "check", idle=0.1)
+    with pytest.raises(Exception, match="option 'topic' is 'bad topic!', not a valid nsq topic name"):
+        spark.createDataFrame([("a",)], "body string").write.format("nsq").option("nsqd.address", addr) \
+            .option("topic", "bad topic!").mode("append").save()
+    assert consume(addr, "bad", "check", idle=0.3) == []
+
+
+def test_a_row_with_an_invalid_topic_fails_the_write_naming_the_row(spark, daemon):
+    addr = address(daemon)
+    consume(addr, "orders_us", "check", idle=0.1)
+    rows = [("a", "orders_us"), ("b", "orders_us extra"), ("c", "orders_us")]
+    with pytest.raises(Exception, match="row 1 of partition 0 has topic 'orders_us extra', not a valid nsq topic"):
+        spark.createDataFrame(rows, "body string, topic string").coalesce(1).write.format("nsq") \
+            .option("nsqd.address", addr).mode("append").save()
+    assert consume(addr, "orders_us", "check", idle=0.3) == []  # not even the good rows of that batch
+
+
+def test_overwrite_is_not_a_mode_of_the_sink(spark, daemon):
+    with pytest.raises(Exception, match=r"cannot overwrite a topic: use mode\('append'\)"):
+        spark.createDataFrame([("a",)], "body string").write.format("nsq").option("nsqd.address", address(daemon)) \
+            .option("topic", "out6").mode("overwrite").save()

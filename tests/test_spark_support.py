@@ -11,8 +11,12 @@ import argparse
 import json
 import os
 import signal
+import socket
+import subprocess
 import sys
 import time
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -22,7 +26,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
 
 from nsq_spark.client import FRAME_MESSAGE, Connection, body_command, mpub_body  # noqa: E402
-from tests.support import Daemon  # noqa: E402
+from tests.support import Daemon, free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -72,6 +76,53 @@ def address(daemon) -> str:
     return f"127.0.0.1:{daemon.port}"
 
 
+class RestartableDaemon:
+    """``python -m nsqd`` that can be stopped (SIGTERM or SIGKILL) and started again on its port and data."""
+
+    def __init__(self, data_path, *args: str) -> None:
+        self.data_path = data_path
+        self.args = args
+        self.port = free_port()
+        self.http_port = free_port()
+        self.proc = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "nsqd", f"--tcp-address=127.0.0.1:{self.port}",
+             f"--http-address=127.0.0.1:{self.http_port}", "--amqp-address=", f"--data-path={self.data_path}",
+             "--log-level=warn", *self.args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 20
+        while True:
+            assert self.proc.poll() is None, self.proc.stderr.read().decode()
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                assert time.monotonic() < deadline, "the daemon did not start"
+                time.sleep(0.05)
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        self.proc.send_signal(sig)
+        return self.proc.wait(60)
+
+    def restart(self, sig: int = signal.SIGTERM, pause: float = 0.0) -> None:
+        self.stop(sig)
+        time.sleep(pause)
+        self.start()
+
+    def channel_stats(self, topic: str, channel: str) -> dict:
+        """The channel's entry in ``/stats`` (depth, in_flight_count, ...)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/stats?format=json&topic={topic}",
+                                    timeout=10) as response:
+            stats = json.load(response)
+        for t in stats["topics"]:
+            for c in t["channels"]:
+                if t["topic_name"] == topic and c["channel_name"] == channel:
+                    return c
+        return {}
+
+
 def publish(addr: str, topic: str, bodies: list[bytes], chunk: int = 1000) -> None:
     with Connection(addr) as conn:
         for i in range(0, len(bodies), chunk):
@@ -111,11 +162,18 @@ def wait_for(predicate, timeout: float, interval: float = 0.25):
         time.sleep(interval)
 
 
-def parquet_rows(spark, path) -> int:
-    try:
-        return spark.read.parquet(str(path)).count()
-    except Exception:  # nothing committed yet
-        return 0
+def committed_rows(path) -> int:
+    """Rows in the files a Parquet sink has committed (its _spark_metadata log), without a Spark job."""
+    import pyarrow.parquet as pq
+
+    files = set()
+    log = Path(path) / "_spark_metadata"
+    entries = [e for e in log.iterdir() if not e.name.startswith(".")] if log.is_dir() else []
+    for entry in sorted(entries, key=lambda e: int(e.name.split(".")[0])):
+        for line in entry.read_text().splitlines()[1:]:
+            record = json.loads(line)
+            (files.add if record["action"] == "add" else files.discard)(record["path"])
+    return sum(pq.ParquetFile(urllib.parse.urlparse(f).path).metadata.num_rows for f in files)
 
 
 # ---------------------------------------------------------------- child query
@@ -142,7 +200,7 @@ def run_query(args: argparse.Namespace) -> None:
         df = df.withColumn("passed", stall("body"))
     query = df.writeStream.format("parquet").option("path", args.out) \
         .option("checkpointLocation", args.checkpoint).start()
-    wait_for(lambda: parquet_rows(spark, args.out) >= args.expect, args.timeout, 0.5)
+    wait_for(lambda: committed_rows(args.out) >= args.expect, args.timeout, 0.2)
     query.stop()
     spark.stop()
 
