@@ -158,10 +158,10 @@ class InFlight:
         """
         out: list[tuple[int, int, object]] = []
         count = 0
-        contains = self.map.__contains__
+        finished = self.map.keys().isdisjoint
         live: list[Delivery] = []
         for delivery in self.deliveries:
-            if not any(map(contains, delivery.ids)):
+            if finished(delivery.ids):
                 continue  # every message of it is finished: forget it
             live.append(delivery)
             positions = delivery.positions

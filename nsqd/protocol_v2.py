@@ -10,8 +10,10 @@ client's output list. Neither touches a socket or the event loop; the I/O
 layer (``nsqd.tcp``) only moves bytes.
 
 Work per call is bounded: :meth:`V2Parser.commands` returns at most
-``STEP_COMMANDS`` commands (each id of a FIN run counts), so a read full of
-tiny commands is executed in steps and the I/O layer yields between them.
+``STEP_COMMANDS`` commands (a FIN of a run counts as ``1 / FINS_PER_COMMAND``:
+settling one is a ``dict.pop``, and a consumer FINs what it got in one burst,
+which should come back as one burst), so a read full of tiny commands is
+executed in steps and the I/O layer yields between them.
 As nsqd reads a body only after checking the command line, a body command
 whose line is wrong (``PUB`` without a topic) is answered at once instead of
 waiting for a body that may never come.
@@ -47,8 +49,10 @@ MAGIC_V2 = b"  V2"
 #: longest command line accepted (nsqd's read buffer)
 MAX_LINE = 16 * 1024
 
-#: most commands one parser call returns (each id of a FIN run counts as one)
+#: most commands one parser call returns
 STEP_COMMANDS = 256
+#: FINs of a run that cost as much of a step as one other command (a step holds up to 4,096 FINs)
+FINS_PER_COMMAND = 16
 #: largest IDENTIFY body: its JSON is decoded in one go, so it stays small (clients send ~300 bytes)
 MAX_IDENTIFY_BODY = 64 * 1024
 _U64 = (1 << 64) - 1
@@ -130,7 +134,7 @@ class V2Parser:
             return []
         out: list[tuple[bytes, list, bytes | None]] = []
         fins: list[bytes] | None = None
-        budget = limit
+        budget = limit * FINS_PER_COMMAND  # in FINs
         pos = 0
         end = len(buf)
         find = buf.find
@@ -162,7 +166,7 @@ class V2Parser:
                 line = line[:-1]
             params = line.split(b" ")
             name = params[0]
-            budget -= 1
+            budget -= FINS_PER_COMMAND
             if name in _BODY_COMMANDS:
                 problem = self._check_line(name, params)
                 if problem is None:

@@ -7,6 +7,8 @@ import zlib
 from crc32c import crc32c
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nsqd.diskq.errors import DiskQueueError
 from nsqd.diskq.metadata import (
@@ -20,6 +22,7 @@ from nsqd.diskq.metadata import (
 )
 from nsqd.diskq.naming import QueueFiles, escape_name
 from nsqd.diskq.records import (
+    BLOCK_RECORDS,
     SEGMENT_HEADER_SIZE,
     HeaderState,
     Outcome,
@@ -54,10 +57,63 @@ def test_single_and_batch_encodings_agree():
     assert b"".join(encode_record(p) for p in payloads) == encode_records(payloads)
 
 
+def parse_one_by_one(buf, offset, max_count, min_size, max_size):
+    """The record format read the plain way: what parse_records must agree with."""
+    out, marks, count = [], [], 0
+    while count < max_count:
+        if offset + 8 > len(buf):
+            return offset, out, marks, Outcome.SHORT
+        length, crc = struct.unpack_from(">II", buf, offset)
+        if not min_size <= length <= max_size:
+            return offset, out, marks, Outcome.DAMAGED
+        if offset + 8 + length > len(buf):
+            return offset, out, marks, Outcome.SHORT
+        if crc32c(buf[offset:offset + 4] + buf[offset + 8:offset + 8 + length]) != crc:
+            return offset, out, marks, Outcome.DAMAGED
+        out.append(buf[offset + 8:offset + 8 + length])
+        marks.append(offset)
+        offset += 8 + length
+        count += 1
+    return offset, out, marks, Outcome.COUNT_REACHED
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    runs=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 3 * BLOCK_RECORDS)), min_size=1, max_size=5),
+    damage=st.one_of(st.none(), st.floats(0, 1)),
+    cut=st.integers(0, 30),
+    max_count=st.integers(1, 6 * BLOCK_RECORDS),
+    start=st.integers(0, 2),
+)
+def test_blocks_of_one_length_parse_as_records_one_by_one(runs, damage, cut, max_count, start):
+    payloads = [bytes([n % 251]) * length for n, (length, times) in enumerate(runs) for _ in range(times)]
+    skip = encode_records(payloads[:start])
+    buf = bytearray(encode_records(payloads))
+    if damage is not None:
+        buf[int(damage * (len(buf) - 1))] ^= 0x41
+    buf = bytes(buf[:len(buf) - cut])
+    out, marks = [], []
+    offset, count, outcome = parse_records(buf, len(skip), max_count, 0, 40, out, marks)
+    want_offset, want_out, want_marks, want_outcome = parse_one_by_one(buf, len(skip), max_count, 0, 40)
+    assert (offset, out, marks, outcome) == (want_offset, want_out, want_marks, want_outcome)
+    assert count == len(want_out)
+
+
+def test_a_damaged_record_inside_a_block_stops_there():
+    payloads = [b"%07d" % i for i in range(3 * BLOCK_RECORDS)]
+    buf = bytearray(encode_records(payloads))
+    bad = BLOCK_RECORDS + 5
+    buf[bad * 15 + 10] ^= 1  # a payload byte of record ``bad`` (15 bytes a record)
+    out: list[bytes] = []
+    offset, count, outcome = parse_records(bytes(buf), 0, 1000, 0, 100, out)
+    assert (offset, count, outcome) == (bad * 15, bad, Outcome.DAMAGED)
+    assert out == payloads[:bad]
+
+
 def test_encode_then_parse_round_trips_in_order():
     payloads = [b"", b"a", b"\x00" * 300, bytes(range(256))]
     out: list[bytes] = []
-    offset, count, outcome = parse_records(encode_records(payloads), 0, 100, 0, 1000, out.append)
+    offset, count, outcome = parse_records(encode_records(payloads), 0, 100, 0, 1000, out)
     assert out == payloads
     assert count == 4
     assert outcome is Outcome.SHORT
@@ -67,10 +123,10 @@ def test_encode_then_parse_round_trips_in_order():
 def test_parse_stops_at_count_and_on_short_buffer():
     data = encode_records([b"one", b"two", b"three"])
     out: list[bytes] = []
-    offset, count, outcome = parse_records(data, 0, 2, 0, 100, out.append)
+    offset, count, outcome = parse_records(data, 0, 2, 0, 100, out)
     assert (out, count, outcome) == ([b"one", b"two"], 2, Outcome.COUNT_REACHED)
     out.clear()
-    assert parse_records(data[:-1], offset, 10, 0, 100, out.append) == (offset, 0, Outcome.SHORT)
+    assert parse_records(data[:-1], offset, 10, 0, 100, out) == (offset, 0, Outcome.SHORT)
     assert out == []
 
 
@@ -78,14 +134,14 @@ def test_corrupt_length_is_detected_by_checksum():
     data = bytearray(encode_records([b"abcdef", b"next"]))
     data[3] = 5  # length 6 -> 5: still in range, but the checksum covers the length
     out: list[bytes] = []
-    assert parse_records(bytes(data), 0, 10, 0, 100, out.append) == (0, 0, Outcome.DAMAGED)
+    assert parse_records(bytes(data), 0, 10, 0, 100, out) == (0, 0, Outcome.DAMAGED)
     assert out == []
 
 
 def test_length_outside_limits_is_damage():
     data = encode_records([b"x" * 50])
-    assert parse_records(data, 0, 10, 0, 49, [].append)[2] is Outcome.DAMAGED
-    assert parse_records(data, 0, 10, 51, 100, [].append)[2] is Outcome.DAMAGED
+    assert parse_records(data, 0, 10, 0, 49, [])[2] is Outcome.DAMAGED
+    assert parse_records(data, 0, 10, 51, 100, [])[2] is Outcome.DAMAGED
 
 
 def test_find_next_record_skips_garbage_between_records():

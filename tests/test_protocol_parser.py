@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from nsqd.protocol_v2 import (
-    FIN_BATCH, MAX_LINE, PARSE_ERROR, STEP_COMMANDS, ClientError, V2Parser, go_base10, go_int64, go_millis_ns,
+    FIN_BATCH, FINS_PER_COMMAND, MAX_LINE, PARSE_ERROR, STEP_COMMANDS, ClientError, V2Parser, go_base10, go_int64, go_millis_ns,
     split_mpub,
 )
 
@@ -158,11 +158,20 @@ def test_a_call_returns_a_bounded_step_of_commands():
 
 
 def test_each_fin_of_a_run_counts_against_the_step():
+    step_fins = STEP_COMMANDS * FINS_PER_COMMAND
     parser = new_parser()
-    parser.receive_data(b"".join(b"FIN %016x\n" % i for i in range(1000)))
+    parser.receive_data(b"".join(b"FIN %016x\n" % i for i in range(step_fins + 1000)))
     (name, ids, _), = parser.commands()
-    assert name is FIN_BATCH and len(ids) == STEP_COMMANDS and parser.more
-    assert sum(len(c[1]) for c in drain(parser)) == 1000 - STEP_COMMANDS
+    assert name is FIN_BATCH and len(ids) == step_fins and parser.more
+    assert sum(len(c[1]) for c in drain(parser)) == 1000
+
+
+def test_fins_and_other_commands_share_one_step():
+    parser = new_parser()
+    parser.receive_data(b"NOP\n" * (STEP_COMMANDS - 1) + b"".join(b"FIN %016x\n" % i for i in range(100)))
+    first = parser.commands()
+    assert len(first) == STEP_COMMANDS and parser.more
+    assert first[-1][0] is FIN_BATCH and len(first[-1][1]) == FINS_PER_COMMAND
 
 
 @pytest.mark.parametrize("line,error", [

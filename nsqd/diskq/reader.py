@@ -110,7 +110,7 @@ class SegmentReader:
         finally:
             os.close(fd)
         found: list[bytes] = []
-        parse_records(data, 0, 1, self._min_size, self._max_size, found.append)
+        parse_records(data, 0, 1, self._min_size, self._max_size, found)
         return found[0] if found else None
 
     def read_many(self, max_count: int, positions: list[int] | None = None) -> list[bytes]:
@@ -134,7 +134,7 @@ class SegmentReader:
             start = self.offset - self._chunk_start
             offsets: list[int] | None = None if positions is None else []
             offset, _, outcome = parse_records(chunk, start, max_count - len(out), self._min_size, self._max_size,
-                                               out.append, None if offsets is None else offsets.append)
+                                               out, offsets)
             if offsets:
                 positions += map(position(self.segment, self._chunk_start).__add__, offsets)
             self.offset = self._chunk_start + offset
