@@ -39,20 +39,19 @@ _PROPERTIES_HEAD = b"\x00\x53\x73\xc0\x24\x0a\xa1\x10"
 _PROPERTIES_MIDDLE = b"\x40" * 8 + b"\x83"
 _DATA8 = b"\x00\x53\x75\xa0"
 _DATA32 = b"\x00\x53\x75\xb0"
-_FIRST_ATTEMPT = b"\x00\x01"  # the frame's attempts field (offset 16) on a first delivery
+_DATA8_HEADS = [_DATA8 + bytes((n,)) for n in range(256)]
 _FIRST_ACQUIRER_HEADER = Header(first_acquirer=True).encode_amqp()
+_FIRST_HEAD = _FIRST_ACQUIRER_HEADER + _PROPERTIES_HEAD
+_BODY = message.FRAME_OVERHEAD
 
 
 def encode_delivery(frame: bytes, failed: int = 0, released: bool = False) -> bytes:
     """The AMQP message payload for an NSQ message frame (``released``: it was acquired before)."""
-    body = frame[message.FRAME_OVERHEAD:]
-    n = len(body)
-    data_head = _DATA8 + bytes((n,)) if n < 256 else _DATA32 + _U32.pack(n)
-    parts = [_PROPERTIES_HEAD, frame[18:34], _PROPERTIES_MIDDLE,
-             _TS.pack(_TS.unpack_from(frame, 8)[0] // 1_000_000), data_head, body]
-    first = frame[16:18] == _FIRST_ATTEMPT and not released
+    n = len(frame) - _BODY
+    first = frame[17] == 1 and frame[16] == 0 and not released  # the frame's attempts (offset 16) are 1
     if failed:
-        parts.insert(0, Header(first_acquirer=first, delivery_count=failed).encode_amqp())
-    elif first:
-        parts.insert(0, _FIRST_ACQUIRER_HEADER)
-    return b"".join(parts)
+        head = Header(first_acquirer=first, delivery_count=failed).encode_amqp() + _PROPERTIES_HEAD
+    else:
+        head = _FIRST_HEAD if first else _PROPERTIES_HEAD
+    return b"".join((head, frame[18:34], _PROPERTIES_MIDDLE, _TS.pack(_TS.unpack_from(frame, 8)[0] // 1_000_000),
+                     _DATA8_HEADS[n] if n < 256 else _DATA32 + _U32.pack(n), frame[_BODY:]))
