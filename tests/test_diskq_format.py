@@ -99,6 +99,14 @@ def test_blocks_of_one_length_parse_as_records_one_by_one(runs, damage, cut, max
     assert count == len(want_out)
 
 
+@pytest.mark.parametrize("count", [1, BLOCK_RECORDS - 1, BLOCK_RECORDS, BLOCK_RECORDS + 1, 3 * BLOCK_RECORDS + 7])
+def test_batches_of_one_length_encode_as_single_records(count):
+    payloads = [b"%09d" % i for i in range(count)]
+    assert encode_records(payloads) == b"".join(map(encode_record, payloads))
+    views = [memoryview(p) for p in payloads]
+    assert encode_records(views) == b"".join(map(encode_record, payloads))
+
+
 def test_a_damaged_record_inside_a_block_stops_there():
     payloads = [b"%07d" % i for i in range(3 * BLOCK_RECORDS)]
     buf = bytearray(encode_records(payloads))
