@@ -33,6 +33,8 @@ _SIZE = struct.Struct(">i")
 _RECV_SIZE = 1 << 20
 #: a receive chunk with less room than this is replaced by a new one
 _MIN_ROOM = 64 << 10
+#: the socket receive buffer asked for (the kernel caps it at net.core.rmem_max)
+RECV_BUFFER = 4 << 20
 #: frames scanned one by one between two looks for a run of frames of one size
 SCAN_STRIDE = 256
 #: first and longest pause between attempts to reach a daemon
@@ -62,6 +64,10 @@ def body_command(line: str, body: bytes) -> bytes:
     return line.encode() + b"\n" + _SIZE.pack(len(body)) + body
 
 
+def identify_command(**fields) -> bytes:
+    return body_command("IDENTIFY", json.dumps({"user_agent": USER_AGENT, **fields}).encode())
+
+
 def mpub_body(bodies: list[bytes]) -> bytes:
     pack = _SIZE.pack
     return b"".join([pack(len(bodies)), *[pack(len(b)) + b for b in bodies]])
@@ -87,7 +93,7 @@ class Connection:
         #: the daemon sent CLOSE_WAIT: it delivers nothing more and closes the connection soon
         self.closing = False
         try:
-            self.sock = socket.create_connection(parse_address(address), timeout=timeout)
+            self.sock = _connect(parse_address(address), timeout)
         except OSError as exc:
             raise ConnectionLost(f"cannot connect to nsqd at {address}: {exc}") from exc
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -251,7 +257,11 @@ class Connection:
 
     # ------------------------------------------------------------ verbs
     def identify(self, **fields) -> dict:
-        self.send(body_command("IDENTIFY", json.dumps({"user_agent": USER_AGENT, **fields}).encode()))
+        self.send(identify_command(**fields))
+        return self.identified()
+
+    def identified(self) -> dict:
+        """The answer to ``IDENTIFY``: the negotiated features (empty without feature negotiation)."""
         data = self.response()
         return json.loads(data) if data.startswith(b"{") else {}
 
@@ -263,6 +273,27 @@ class Connection:
         data = self.response()
         if data != b"OK":
             raise NSQError(f"nsqd {self.address}: expected OK, got {data!r}")
+
+
+def _connect(address: tuple[str, int], timeout: float) -> socket.socket:
+    """``socket.create_connection`` with a receive buffer of :data:`RECV_BUFFER` set before connecting.
+
+    The window a connection starts with follows its receive buffer: with the
+    default one, a new connection is sent a segment in small pieces, many
+    sends and receives, until the kernel has grown it.
+    """
+    error: OSError | None = None
+    for family, kind, proto, _, sockaddr in socket.getaddrinfo(*address, type=socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECV_BUFFER)
+            sock.settimeout(timeout)
+            sock.connect(sockaddr)
+            return sock
+        except OSError as exc:
+            sock.close()
+            error = exc
+    raise error or OSError(f"no address for {address[0]}")
 
 
 def scan_messages(buf: bytearray, pos: int, end: int, limit: int) -> tuple[np.ndarray, int]:

@@ -1,26 +1,40 @@
 """Reading a partition under leases, and settling leases by name.
 
 A partition of micro-batch ``b`` of run ``r`` reads under lease ``r:b:p``.
-RDY bounds what a connection holds in flight, leased messages included, and
-leased messages stay in flight until the driver settles them, so a partition
-that wants more than ``maxInFlight`` messages reads in segments: once one is
-half full it opens the next, ``r:b:p.1``, ``r:b:p.2`` and so on (nsqd seals
-the previous one with what it has sent by then). Segments are opened in order
-and each holds at least one message, so whoever walks them (a replay, the
-driver's LFIN and LTOUCH) stops at the first that is missing.
+nsqd counts every lease a connection opened, sealed ones included, in that
+connection's in-flight budget (RDY) for as long as it is connected, and
+leased messages stay in flight until the driver settles them. So one
+connection reads one segment: a partition that wants more than
+``maxInFlight`` messages reads ``r:b:p``, then ``r:b:p.1``, ``r:b:p.2`` and
+so on, each on a connection of its own. Closing a connection releases its
+leases: they keep their messages and count in nobody's budget.
 
-Reopening a live lease sends exactly its messages again, so a replayed
-partition yields what its first read yielded, as long as its leases have not
-expired.
+The next connection is opened and subscribed while a segment fills. nsqd
+refills a connection only once an eighth of its RDY is free, so a segment in
+its last eighth gets nothing beyond what nsqd took for it already: the next
+segment starts then, and its messages are on their way while the current
+one's last arrive, so the partition reads in order without waiting. The
+current connection is closed once its segment is full, or sealed first
+(``RDY 0``, ``LEASE``: the messages before the answer are its last) when it
+is not. Segments are opened in order and each holds at least one message,
+so whoever walks them (a replay, the driver's LFIN and LTOUCH) stops at the
+first that is missing.
+
+Reopening a live lease sends exactly its messages again, whatever RDY is,
+so a replayed partition yields what its first read yielded (its segments
+reopened one after another on one connection), as long as its leases have
+not expired.
 
 A read survives its connection: when the daemon goes away (``CLOSE_WAIT``
-and a restart, a crash, a broken socket) the partition connects again with
-backoff and reopens the segment it was filling. What comes back is that
-segment's messages, those it had already handed over (skipped by id) and
-those that were on their way when the connection broke; then it reads on.
-A daemon that forgot the read's leases (they do not survive a restart yet)
-has put their messages back in the queue: the partition then reads on under
-the first segment name again.
+ends the read with what it has; a crash or a broken socket do not) the
+partition connects again with backoff and reopens the segment it was
+filling. nsqd keeps leases across a restart (a graceful one, and a crash in
+durable mode), so what comes back is that segment's messages, those it had
+already handed over (skipped by id) and those that were on their way when
+the connection broke; then it reads on. A daemon that lost the read's leases
+(a crash without ``--durable``, or leases that expired while it was away)
+has put their messages back in the queue or lost them with its memory: the
+partition then reads on under the first segment name again.
 """
 
 from __future__ import annotations
@@ -33,7 +47,7 @@ from collections.abc import Iterator
 import pyarrow as pa
 
 from .client import (FRAME_ERROR, FRAME_MESSAGE, FRAME_RESPONSE, Backoff, Connection, ConnectionLost, NSQError,
-                     error_frame, retrying)
+                     error_frame, identify_command, retrying)
 from .options import OptionError, ReadOptions
 from .rows import Columns
 
@@ -45,6 +59,13 @@ BATCH_ROWS = 8192
 BATCH_BYTES = 16 << 20
 #: lease commands sent before their answers are read, when walking segments
 WINDOW = 16
+#: nsqd refills a connection that holds messages only once this share of its RDY is free (its
+#: MIN_REFILL_FRACTION): a segment with less room left gets nothing beyond what nsqd took for it already
+REFILL_FRACTION = 8
+#: how long a segment in its last eighth may take to fill up before it is sealed
+FULL_WAIT = 0.01
+#: a spare connection idle for longer is not used (nsqd closes a connection that misses two heartbeats)
+SPARE_MAX_AGE = 10.0
 
 
 def lease_base(run: str, batch: int, partition: int) -> str:
@@ -100,29 +121,40 @@ def settle(conn: Connection, base: str, verb: str) -> int:
         first += WINDOW
 
 
+def send_handshake(conn: Connection, topic: str, channel: str, msg_timeout_ms: int) -> None:
+    """``IDENTIFY`` with the lease extension, then ``SUB``, in one write; :func:`check_handshake` reads the answers."""
+    conn.send(identify_command(feature_negotiation=True, leases=True, msg_timeout=msg_timeout_ms)
+              + f"SUB {topic} {channel}\n".encode())
+
+
+def check_handshake(conn: Connection, msg_timeout_ms: int, max_in_flight: int) -> None:
+    """The answers to :func:`send_handshake`; the daemon's limits are checked against the options.
+
+    A misfit is an error naming the option rather than a failure later on.
+    """
+    try:
+        features = conn.identified()
+    except NSQError as exc:
+        if "msg timeout" in str(exc):
+            raise OptionError(f"option 'msgTimeoutMs' ({msg_timeout_ms}) is above the --max-msg-timeout "
+                              f"of nsqd {conn.address}: {exc}") from None
+        raise
+    if features.get("leases") is not True:
+        raise NSQError(f"nsqd {conn.address} does not support leases (IDENTIFY leases)")
+    max_rdy = features.get("max_rdy_count", max_in_flight)
+    if max_in_flight > max_rdy:
+        raise OptionError(f"option 'maxInFlight' ({max_in_flight}) is above the --max-rdy-count of "
+                          f"nsqd {conn.address} ({max_rdy})")
+    conn.expect_ok()
+
+
 def lease_consumer(address: str, topic: str, channel: str, msg_timeout_ms: int, max_in_flight: int = 1,
                    timeout: float = 10.0) -> Connection:
-    """A connection subscribed to ``topic``/``channel`` with the lease extension on.
-
-    The daemon's limits are checked against the options that depend on them,
-    so a misfit is an error naming the option rather than a failure later on.
-    """
+    """A connection subscribed to ``topic``/``channel`` with the lease extension on (see :func:`check_handshake`)."""
     conn = Connection(address, timeout)
     try:
-        try:
-            features = conn.identify(feature_negotiation=True, leases=True, msg_timeout=msg_timeout_ms)
-        except NSQError as exc:
-            if "msg timeout" in str(exc):
-                raise OptionError(f"option 'msgTimeoutMs' ({msg_timeout_ms}) is above the --max-msg-timeout "
-                                  f"of nsqd {address}: {exc}") from None
-            raise
-        if features.get("leases") is not True:
-            raise NSQError(f"nsqd {address} does not support leases (IDENTIFY leases)")
-        max_rdy = features.get("max_rdy_count", max_in_flight)
-        if max_in_flight > max_rdy:
-            raise OptionError(f"option 'maxInFlight' ({max_in_flight}) is above the --max-rdy-count of "
-                              f"nsqd {address} ({max_rdy})")
-        conn.subscribe(topic, channel)
+        send_handshake(conn, topic, channel, msg_timeout_ms)
+        check_handshake(conn, msg_timeout_ms, max_in_flight)
     except BaseException:
         conn.close()
         raise
@@ -130,21 +162,66 @@ def lease_consumer(address: str, topic: str, channel: str, msg_timeout_ms: int, 
 
 
 class Subscription:
-    """A lease consumer of one daemon that is connected again, with backoff, when it is lost."""
+    """A partition's connections to one daemon: the current one, and a spare for its next segment.
+
+    The current connection is connected again, with backoff, when it is lost.
+    """
 
     def __init__(self, opts: ReadOptions, address: str) -> None:
         self.opts = opts
         self.address = address
         self.backoff = Backoff(opts.reconnect_timeout)
         self.conn: Connection | None = None
+        #: the next connection: its handshake sent, answered once ``_spare_ready``; when it was opened
+        self._spare: Connection | None = None
+        self._spare_ready = False
+        self._spare_since = 0.0
 
     def connect(self) -> Connection:
         """The connection; while the daemon cannot be reached this waits (see :class:`Backoff`)."""
         if self.conn is None:
-            opts = self.opts
-            self.conn = retrying(self.backoff, lambda: lease_consumer(
-                self.address, opts.topic, opts.channel, opts.msg_timeout_ms, opts.max_in_flight))
+            self.conn = retrying(self.backoff, self._subscribed)
         return self.conn
+
+    def prepare(self) -> None:
+        """Open the spare now and send its handshake without waiting for the answers (:meth:`spare` reads them)."""
+        if self._spare is not None:
+            return
+        opts = self.opts
+        try:
+            conn = Connection(self.address)
+        except ConnectionLost:
+            return  # spare() tries again when the spare is needed
+        try:
+            send_handshake(conn, opts.topic, opts.channel, opts.msg_timeout_ms)
+        except ConnectionLost:
+            conn.close()
+            return
+        self._spare, self._spare_ready, self._spare_since = conn, False, time.monotonic()
+
+    def spare(self) -> Connection:
+        """The spare, subscribed: the one :meth:`prepare` opened, or a new one. Raises ConnectionLost."""
+        if self._spare is not None and not self._spare_ready:
+            if time.monotonic() - self._spare_since < SPARE_MAX_AGE:
+                try:
+                    check_handshake(self._spare, self.opts.msg_timeout_ms, self.opts.max_in_flight)
+                    self._spare_ready = True
+                except ConnectionLost:
+                    self._close_spare()
+            else:
+                self._close_spare()
+        if self._spare is None:
+            self._spare, self._spare_ready = self._subscribed(), True
+        return self._spare
+
+    def promote(self) -> Connection:
+        """Go on with the spare; the current connection is closed (nsqd releases its leases, which live on)."""
+        conn = self.spare()
+        self._spare = None
+        if self.conn is not None:
+            self.conn.close()
+        self.conn = conn
+        return conn
 
     def lost(self, exc: ConnectionLost) -> None:
         """The connection broke: drop it and pause before the next :meth:`connect` (or give up)."""
@@ -156,6 +233,16 @@ class Subscription:
         if self.conn is not None:
             self.conn.close()
             self.conn = None
+        self._close_spare()
+
+    def _subscribed(self) -> Connection:
+        opts = self.opts
+        return lease_consumer(self.address, opts.topic, opts.channel, opts.msg_timeout_ms, opts.max_in_flight)
+
+    def _close_spare(self) -> None:
+        if self._spare is not None:
+            self._spare.close()
+            self._spare = None
 
 
 class LeaseReader:
@@ -183,21 +270,21 @@ class LeaseReader:
         self.total = 0
         #: when the read must end, and when the last message came (time.monotonic)
         self.deadline = self.last = 0.0
-        # where the read is: the current segment, what it gave, whether it takes new messages here
+        # where the read is: the current segment, what it gave, how many it may take (a fresh one)
         self._segment = 0
         self._got = 0
-        self._open = False
         self._want = 0
-        #: the next segment's lease response when it was opened early, or LEASE sent and not answered
-        self._early: dict | None = None
-        self._switching = False
+        #: the current segment's LEASE and RDY went out ahead on the current connection, unanswered so far
+        self._started = False
         #: take no new messages: seal the current segment and end
         self._stopping = False
         self._done = False
-        #: the connection has no lease yet (nothing may be delivered before LEASE)
-        self._bare = True
         #: the last segment this read sent LEASE for: it may hold messages, so it is always reopened
         self._leased = -1
+        #: a segment was missing: every segment this read has not leased yet is new
+        self._past_end = False
+        #: the current connection opened a lease that holds messages: they fill its budget for good
+        self._used = False
         #: the connection was lost since the current segment was opened
         self._reconnected = False
         #: ids of the current segment handed over before the connection broke
@@ -218,10 +305,7 @@ class LeaseReader:
 
     # ------------------------------------------------------------ steps
     def _step(self, conn: Connection) -> Iterator[pa.RecordBatch]:
-        """Go on with the current segment: open it, replay what it holds, read new messages into it."""
-        if self._open:
-            yield from self._read_fresh(conn)
-            return
+        """The current segment: open it, replay what it holds or read new messages into it."""
         if self._reconnected:
             self._reconnected = False
             if not self.replay and self._segment:
@@ -229,57 +313,72 @@ class LeaseReader:
                 if lease_reply(conn)["count"] == 0:
                     self._restart_names()
         name = segment_name(self.base, self._segment)
-        stop = not self.replay and (self._stopping or conn.closing or not self._room()
-                                    or time.monotonic() >= self.deadline)
-        if self._early is not None:
-            reply, self._early = self._early, None
-            if reply["reopened"] and not reply["count"]:
-                reply = open_lease(conn, name, after=f"RDY {self._want}\n", reply=reply)
-        elif stop and self._segment > self._leased:
-            self._done = True  # the segment before is full or sealed, and nothing else was asked for
-            return
+        fresh = True
+        if self._started:  # sent by _start_next
+            self._started = False
+            reply = open_lease(conn, name, after=f"RDY {self._want}\n", reply=lease_reply(conn))
         else:
-            reply = self._lease(conn, name, rdy=not (stop or self.replay))
+            stop = not self.replay and (self._stopping or conn.closing or not self._room()
+                                        or time.monotonic() >= self.deadline)
+            if stop and self._segment > self._leased:
+                self._done = True  # the segment before is full or sealed, and nothing else was asked for
+                return
+            fresh = not (stop or self.replay)
+            if fresh and self._used:
+                if not self._past_end or self._segment <= self._leased:  # it may exist: if so, reopen it here
+                    conn.command(f"LTOUCH {name}")
+                    if lease_reply(conn)["count"]:
+                        reply = self._lease(conn, name, rdy=False)
+                        if reply["reopened"]:
+                            yield from self._reopened(conn, reply["count"])
+                            return
+                    self._past_end = True
+                conn = self.link.promote()  # this one's budget is taken: a fresh segment needs a new connection
+                self._used = False
+            reply = self._lease(conn, name, rdy=fresh)
         if reply["reopened"]:
-            yield from self._replay(conn, reply["count"])
-            self._next_segment(reply["count"])
+            yield from self._reopened(conn, reply["count"])
             return
+        self._past_end = True
         self._got = 0  # if it had given messages, the daemon lost it (and them)
-        if stop or self.replay:
+        if not fresh:
             yield from self._seal(conn)
             return
-        self._open = True
         yield from self._read_fresh(conn)
 
     def _lease(self, conn: Connection, name: str, rdy: bool) -> dict:
-        """``LEASE name``; RDY goes first when the connection's current lease takes nothing more."""
+        """``LEASE name``, and with ``rdy`` the RDY for a fresh segment (the connection has no lease yet)."""
         self._leased = max(self._leased, self._segment)
-        bare, self._bare = self._bare, False
         if not rdy:
-            return open_lease(conn, name)
+            return open_lease(conn, name, before="RDY 0\n")
         self._want = self._room()
-        if bare:  # nothing may be delivered before the lease is current
-            return open_lease(conn, name, after=f"RDY {self._want}\n")
-        return open_lease(conn, name, before=f"RDY {self._want}\n")
+        return open_lease(conn, name, after=f"RDY {self._want}\n")
 
-    def _room(self) -> int:
-        """How many messages the next segment may take (a replay takes whatever its leases hold)."""
+    def _room(self, ahead: int = 0) -> int:
+        """How many messages the next segment may take, ``ahead`` more being on their way (a replay: any)."""
         if self.max_messages is None or self.replay:
             return self.max_in_flight
-        return max(min(self.max_in_flight, self.max_messages - self.total), 0)
+        return max(min(self.max_in_flight, self.max_messages - self.total - ahead), 0)
 
     def _next_segment(self, count: int) -> None:
         if count:  # an empty segment is the last, and nsqd forgot it when it was sealed
             self.segments[segment_name(self.base, self._segment)] = count
         self._segment += 1
         self._got = 0
-        self._open = False
         self._skip = frozenset()
 
     def _hand_over(self, n: int) -> None:
         self._got += n
         self.total += n
         self.last = time.monotonic()
+
+    def _reopened(self, conn: Connection, count: int) -> Iterator[pa.RecordBatch]:
+        """A segment that exists: its messages, sent again; they stay in this connection's budget."""
+        if not self.replay:
+            self.link.prepare()  # the next fresh segment needs another connection
+        yield from self._replay(conn, count)
+        self._used = True
+        self._next_segment(count)
 
     def _replay(self, conn: Connection, count: int) -> Iterator[pa.RecordBatch]:
         """Exactly the ``count`` messages a reopened lease sends again, less those in ``_skip``."""
@@ -311,37 +410,32 @@ class LeaseReader:
                 raise ConnectionLost(f"nsqd {conn.address}: lease replay stalled with {left} messages to go")
 
     def _read_fresh(self, conn: Connection) -> Iterator[pa.RecordBatch]:
-        """New messages into the open segment until it is full or the read should stop.
+        """New messages into the open segment until nsqd sends it no more or the read should stop.
 
-        When the segment is half full and the limit leaves room for a whole
-        next one, the next is opened at once: nsqd seals this one with what it
-        has sent and fills the next while we read, instead of waiting for us.
+        nsqd refills a connection that holds messages only when an eighth of
+        its RDY is free: once the segment has less room than that, it gets
+        nothing beyond what nsqd took for it already, and the next segment
+        starts (:meth:`_start_next`). The spare connection for it is opened
+        when this one is half full.
         """
         columns, want = self.columns, self._want
-        early = self.max_messages is None or self.total - self._got + 2 * want <= self.max_messages
+        spare = self.max_messages is None or self.total - self._got + want < self.max_messages
         while True:
-            if not self._switching and self._got >= want:
-                self._next_segment(self._got)  # full: nsqd sends it nothing more
-                return
             n = conn.take_messages(columns, want - self._got)
             if n:
                 self._hand_over(n)
                 if self._full():
                     yield self._take()
+                if spare and 2 * self._got >= want:
+                    spare = False
+                    self.link.prepare()
+                if (want - self._got) * REFILL_FRACTION < want:
+                    yield from self._start_next(conn)
+                    return
+                continue
             if conn.frame_waiting():
                 kind, data = conn.next_frame()
-                if not (self._switching and kind == FRAME_RESPONSE and data.startswith(b"{")):
-                    raise unexpected(conn, kind, data, "a message")
-                self._switching = False
-                self._early = json.loads(data)  # the next segment's: what came before it was this one's
-                self._next_segment(self._got)
-                return
-            if n:
-                continue
-            if self._switching:
-                if not conn.fill(conn.timeout):
-                    raise ConnectionLost(f"nsqd {conn.address}: no answer to LEASE")
-                continue
+                raise unexpected(conn, kind, data, "a message")
             now = time.monotonic()
             wait = self.deadline - now
             if self.total >= self.min_messages:
@@ -349,16 +443,57 @@ class LeaseReader:
             if wait <= 0 or conn.closing or (self.max_messages is not None and self.total >= self.max_messages):
                 yield from self._seal(conn)
                 return
-            if early and self._got >= max(want // 2, 1):
-                self._leased = self._segment + 1
-                conn.command(f"LEASE {segment_name(self.base, self._segment + 1)}")
-                self._switching = True
-                continue
             conn.fill(wait)
 
+    def _start_next(self, conn: Connection) -> Iterator[pa.RecordBatch]:
+        """The open segment takes no more: start the next on the spare, finish this one, go on with the next.
+
+        nsqd takes the next segment's messages after all of this one's, so
+        the order holds, and they are on their way while this one ends.
+        """
+        want = self._room(ahead=self._want - self._got)
+        start = bool(want) and not (self._stopping or conn.closing or time.monotonic() >= self.deadline)
+        if start:
+            try:
+                spare = self.link.spare()
+            except ConnectionLost:  # a draining daemon refuses SUB: this connection is told CLOSE_WAIT too
+                start = False
+            else:
+                self._leased = self._segment + 1
+                spare.send(f"LEASE {segment_name(self.base, self._segment + 1)}\nRDY {want}\n".encode())
+        yield from self._complete(conn)
+        if start:
+            self.link.promote()
+            self._want, self._started, self._used = want, True, False
+        else:
+            self._used = True
+
+    def _complete(self, conn: Connection) -> Iterator[pa.RecordBatch]:
+        """The open segment's last messages: it ends when full (nsqd sends it nothing more), else it is sealed.
+
+        Messages nsqd took for it may wait in its buffered writer while the
+        connection has room; sealing it sends them at once.
+        """
+        want = self._want
+        while self._got < want:
+            n = conn.take_messages(self.columns, want - self._got)
+            if n:
+                self._hand_over(n)
+                if self._full():
+                    yield self._take()
+            elif conn.frame_waiting() or not conn.fill(FULL_WAIT):
+                yield from self._close_segment(conn)
+                return
+        self._next_segment(self._got)
+
     def _seal(self, conn: Connection) -> Iterator[pa.RecordBatch]:
-        """Stop taking messages and close the open segment; messages on their way are handed over first."""
+        """Stop taking messages, close the open segment, and end the read."""
         self._stopping = True
+        yield from self._close_segment(conn)
+        self._done = True
+
+    def _close_segment(self, conn: Connection) -> Iterator[pa.RecordBatch]:
+        """``RDY 0``, ``LEASE``: the messages on their way before the answer are the segment's last."""
         conn.send(b"RDY 0\nLEASE\n")
         while True:
             n = conn.take_messages(self.columns, self.max_in_flight)
@@ -377,7 +512,6 @@ class LeaseReader:
         if self._full():
             yield self._take()
         self._next_segment(self._got)
-        self._done = True
 
     # ------------------------------------------------------------ connection loss
     def _resume(self, exc: ConnectionLost) -> None:
@@ -385,17 +519,16 @@ class LeaseReader:
         self.link.lost(exc)
         if self._got:
             self._skip = frozenset(self._last_ids(self._got))
-        self._open = self._switching = False
-        self._early = None
-        self._bare = True
+        self._started = self._used = False
         self._reconnected = True
 
     def _restart_names(self) -> None:
-        """The daemon lost this read's leases (it restarted): read on under the first segment name.
+        """The daemon lost this read's leases: read on under the first segment name.
 
-        Their messages went back to the queue, or were lost with the daemon.
-        Going on under later names would leave a gap, and whoever walks the
-        segments from the first would never reach what the read takes now.
+        Their messages went back to the queue (they expired), or were lost with
+        the daemon (a crash without ``--durable``). Going on under later names
+        would leave a gap, and whoever walks the segments from the first would
+        never reach what the read takes now.
         """
         self.segments.clear()
         self._segment, self._got, self._leased = 0, 0, -1

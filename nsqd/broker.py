@@ -397,6 +397,7 @@ class Broker:
         backend = diskq.DiskQueue(queue_name, self.data_path, **self._disk_queue_options())
         if self._queues_nursery is not None:
             self._queues_nursery.start_soon(self._run_backend, backend)
+            backend.run_scheduled()
         return backend
 
     def _open_channel_backend(self, topic_name: str, channel_name: str) -> diskq.DiskQueue | None:

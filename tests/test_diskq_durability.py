@@ -49,6 +49,18 @@ async def test_wait_durable_needs_run(tmp_path):
     queue.close()
 
 
+async def test_wait_durable_waits_for_a_run_that_is_scheduled(tmp_path, counted_syncs):
+    queue = DiskQueue("q", tmp_path)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(queue.run)  # begins at the next checkpoint, after the put
+        queue.run_scheduled()
+        queue.put(b"x")
+        await queue.wait_durable()
+        assert len(counted_syncs) == 1
+        nursery.cancel_scope.cancel()
+    queue.close()
+
+
 async def test_wait_durable_with_nothing_put_returns_at_once(tmp_path, counted_syncs):
     queue = DiskQueue("q", tmp_path)
     await queue.wait_durable()

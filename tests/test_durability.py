@@ -165,3 +165,17 @@ async def test_damaged_records_found_on_start_are_counted_in_stats(tmp_path):
         assert channel["disk_damaged_records"] == 1
         metrics = (await http.get("/metrics")).body.decode()
         assert 'nsqd_channel_disk_damaged_records_total{topic="t",channel="c"} 1' in metrics
+
+
+async def test_a_durable_publish_to_a_new_topic_or_channel_is_confirmed(tmp_path):
+    """The new queue's commit task starts right after the publish that created it: the publish waits for it."""
+    async with running_nsqd(tmp_path, durable=True) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.mpub("fresh", [b"a", b"b"])  # a topic without a channel: its own disk queue
+        await conn.pub("fresh2", b"c")
+        consumer = await NSQConnection.open(tcp_port(nsqd))
+        await consumer.sub("fresh3", "c")  # the channel's queue is new, and so is the topic's
+        await conn.pub("fresh3", b"d")
+        await consumer.command("RDY 1")
+        assert (await consumer.read_message()).body == b"d"
+        assert nsqd.topics["fresh"].depth == 2

@@ -30,8 +30,9 @@ def bodies(n, prefix=b"m"):
 
 def read(addr, topic, lease, *, replay=False, max_in_flight=100, max_messages=None, min_messages=0,
          max_delay=5.0, channel="c"):
-    """One partition read on its own connection: (ids, bodies, segments as (name, count))."""
-    link = Subscription(ReadOptions.parse({"nsqd.address": addr, "topic": topic, "channel": channel}), addr)
+    """One partition read: (ids, bodies, segments as (name, count))."""
+    link = Subscription(ReadOptions.parse({"nsqd.address": addr, "topic": topic, "channel": channel,
+                                           "maxInFlight": str(max_in_flight)}), addr)
     reader = LeaseReader(link, lease, Columns(topic, channel), replay=replay, max_in_flight=max_in_flight,
                          max_messages=max_messages, min_messages=min_messages, max_delay=max_delay)
     try:
@@ -68,13 +69,54 @@ def test_first_read_takes_segments_up_to_its_limit_and_a_replay_gets_exactly_the
     assert [b for _, _, b in rest] == bodies(400)[250:]
 
 
-def test_an_unlimited_read_opens_each_next_segment_early(daemon):
+def test_an_unlimited_read_goes_on_over_segments_each_on_a_connection_of_its_own(daemon):
     addr = address(daemon)
     publish(addr, "l10", bodies(5000))
     ids, got, segments = read(addr, "l10", "u:1:0", max_in_flight=100)
     assert got == bodies(5000) and sum(count for _, count in segments) == 5000
-    assert all(1 <= count <= 100 for _, count in segments)
+    assert [name for name, _ in segments] == [leases.segment_name("u:1:0", i) for i in range(len(segments))]
+    # a segment ends once nsqd refills it no more (less than an eighth of RDY free), not earlier
+    assert all(88 <= count <= 100 for _, count in segments[:-1]) and 1 <= segments[-1][1] <= 100
     assert read(addr, "l10", "u:1:0", replay=True) == (ids, got, segments)
+
+
+def test_a_read_of_more_than_the_daemons_max_rdy_count_gets_everything_within_the_budget(tmp_path, monkeypatch):
+    capped = RestartableDaemon(tmp_path / "nsqd", "--max-rdy-count=50")
+    try:
+        addr = address(capped)
+        publish(addr, "cap", bodies(1000))
+        peak = {"in_flight": 0, "ready": 0}
+        reading = threading.Event()
+        reading.set()
+
+        def watch():  # what nsqd counts per connection, all along the read
+            while reading.is_set():
+                for client in capped.channel_stats("cap", "c").get("clients", []):
+                    peak["in_flight"] = max(peak["in_flight"], client["in_flight_count"])
+                    peak["ready"] = max(peak["ready"], client["ready_count"])
+                time.sleep(0.01)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        monkeypatch.setattr(leases, "BATCH_ROWS", 10)
+        reader = reader_for(addr, "cap", "cap:1:0", max_in_flight=50, max_delay=30.0)
+        got = []
+        for batch in reader.batches():  # a slow consumer: nsqd sends ahead only what the budget allows
+            got.extend(batch.column("body").to_pylist())
+            time.sleep(0.005)
+        reader.link.close()
+        reading.clear()
+        watcher.join()
+        assert got == bodies(1000)
+        names = list(reader.segments)
+        assert names == [leases.segment_name("cap:1:0", i) for i in range(len(names))] and len(names) >= 20
+        assert all(1 <= count <= 50 for count in reader.segments.values())
+        assert 0 < peak["in_flight"] <= 50 and peak["ready"] <= 50
+        assert settle_all(addr, "cap", "cap:1:0", "LFIN") == 1000
+        stats = capped.channel_stats("cap", "c")
+        assert (stats["depth"], stats["in_flight_count"]) == (0, 0)
+    finally:
+        capped.stop(signal.SIGKILL)
 
 
 def test_a_replay_of_expired_leases_reads_nothing_new(daemon):
@@ -249,10 +291,11 @@ def restartable(tmp_path):
 
 
 def reader_for(addr, topic, lease, **limits):
+    limits = {"max_in_flight": 100, "max_messages": None, "min_messages": 0, "max_delay": 10.0, **limits}
     link = Subscription(ReadOptions.parse({"nsqd.address": addr, "topic": topic, "channel": "c",
-                                           "reconnectTimeout": "30s"}), addr)
-    return LeaseReader(link, lease, Columns(topic, "c"), replay=False, **{
-        "max_in_flight": 100, "max_messages": None, "min_messages": 0, "max_delay": 10.0, **limits})
+                                           "reconnectTimeout": "30s",
+                                           "maxInFlight": str(limits["max_in_flight"])}), addr)
+    return LeaseReader(link, lease, Columns(topic, "c"), replay=False, **limits)
 
 
 def read_in_thread(reader):
@@ -325,6 +368,33 @@ def test_a_read_survives_a_daemon_crash_and_goes_on_under_fresh_segment_names(re
     assert sum(reader.segments.values()) == 50
     assert settle_all(addr, "r3", "kill:1:0", "LFIN") == 50
     assert consume(addr, "r3", "c", idle=0.3) == []
+
+
+def test_a_read_survives_a_crash_of_a_durable_daemon_with_its_segments(tmp_path):
+    durable = RestartableDaemon(tmp_path / "nsqd", "--durable", "--sync-timeout=100ms")
+    try:
+        addr = address(durable)
+        publish(addr, "r7", bodies(100))
+        reader = reader_for(addr, "r7", "dur:1:0", max_in_flight=40, min_messages=150, max_delay=60.0)
+        thread, got = read_in_thread(reader)
+        assert wait_for(lambda: len(reader.columns) + len(got) == 100, 10, 0.05)
+        time.sleep(0.5)  # past a checkpoint: the leases are noted on disk
+        durable.stop(signal.SIGKILL)
+        time.sleep(0.5)
+        assert thread.is_alive()  # waiting for the daemon
+        durable.start()
+        with lease_consumer(addr, "r7", "c", 60000):
+            publish(addr, "r7", bodies(50, b"n"))
+        thread.join(30)
+        assert not thread.is_alive()
+        assert got == bodies(100) + bodies(50, b"n")  # the reopened segment's messages were skipped by id
+        names = list(reader.segments)  # the segments before the crash are kept, the read went on after them
+        assert names == [leases.segment_name("dur:1:0", i) for i in range(len(names))]
+        assert sum(reader.segments.values()) == 150 and list(reader.segments.values())[:3] == [40, 40, 20]
+        assert settle_all(addr, "r7", "dur:1:0", "LFIN") == 150
+        assert consume(addr, "r7", "c", idle=0.3) == []
+    finally:
+        durable.stop(signal.SIGKILL)
 
 
 def test_the_driver_waits_for_a_daemon_that_is_away(restartable):

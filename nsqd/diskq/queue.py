@@ -152,6 +152,8 @@ class DiskQueue:
         self._wakeup = trio.Event()
         self._next_round = _CommitRound()
         self._running = False
+        #: run() was started with start_soon and will be running soon (see :meth:`run_scheduled`)
+        self._run_scheduled = False
         self._closed = False
         self._save_metadata_now()
         self._log.info(
@@ -401,14 +403,15 @@ class DiskQueue:
     async def wait_durable(self) -> None:
         """Return once every record put before this call is on stable storage.
 
-        Needs :meth:`run` to be running; raises DiskQueueWriteError if the
-        commit that should have covered these records failed.
+        Needs :meth:`run` to be running, or scheduled (:meth:`run_scheduled`);
+        raises DiskQueueWriteError if the commit that should have covered
+        these records failed.
         """
         target = self._put_count
         if self._durable_count >= target:
             return
         self._check_open()
-        if not self._running:
+        if not (self._running or self._run_scheduled):
             raise DiskQueueError(f"disk queue {self.name!r}: wait_durable() needs run() to be running")
         commit = self._next_round
         if not commit.waiters:
@@ -417,6 +420,15 @@ class DiskQueue:
         await commit.done.wait()
         if commit.error is not None:
             raise _copy_for_waiter(commit.error)
+
+    def run_scheduled(self) -> None:
+        """:meth:`run` was started (``start_soon``) and begins at the next checkpoint.
+
+        Until then :meth:`wait_durable` joins the next commit round, which
+        run() takes on as it begins (close() releases it too): the publish
+        that creates a queue is confirmed like any other.
+        """
+        self._run_scheduled = True
 
     def request_checkpoint(self) -> None:
         """Save the keeper's view soon (the owner finished many records)."""
@@ -446,7 +458,7 @@ class DiskQueue:
                 elif overdue:
                     self._last_checkpoint = trio.current_time()
         finally:
-            self._running = False
+            self._running = self._run_scheduled = False
             if not self._closed:
                 self._next_round.finish(DiskQueueError(f"disk queue {self.name!r}: run() stopped"))
                 self._next_round = _CommitRound()
