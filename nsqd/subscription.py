@@ -282,12 +282,12 @@ class Subscription:
     def finish_lease(self, name: str) -> int:
         """``LFIN``: finish every message of a lease, from whichever connection; returns how many."""
         channel = self.channel
-        _, items = channel.leases.settle(name)
-        if items and (channel.failed or channel.released):
-            channel.forget([message.frame_id(frame) for frame, _ in items])
-        self.finish_count += len(items)
+        ids = channel.leases.finish(name)
+        if ids and (channel.failed or channel.released):
+            channel.forget(ids)
+        self.finish_count += len(ids)
         channel.settled()
-        return len(items)
+        return len(ids)
 
     def touch_lease(self, name: str, now_ns: int) -> int:
         """``LTOUCH``: a fresh timeout for every message of a lease; returns how many."""
