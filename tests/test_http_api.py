@@ -377,7 +377,9 @@ async def test_publish_the_disk_refuses_is_503_with_the_reason(nsqd_server, http
     def disk_full(*args, **kwargs):
         raise DiskQueueWriteError(28, "No space left on device")
 
-    nsqd_server.topics["t"].publish = disk_full
+    topic = nsqd_server.topics["t"]
+    topic.publish = disk_full
+    topic.backend.failing = "No space left on device"  # as a full disk leaves the queue: /ping stays NOK
     assert_error(await http.post("/pub?topic=t", b"x"), 503, "PUB_FAILED: cannot store: No space left on device")
     assert_error(await http.post("/mpub?topic=t", b"x\ny"), 503,
                  "MPUB_FAILED: cannot store: No space left on device")
