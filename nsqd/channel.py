@@ -289,7 +289,10 @@ class Channel:
         self.message_count += n
         keep = put.keep
         if put.due_ns:
-            self._deferred_on_disk += n - keep
+            if self.backend is not None:
+                self._deferred_on_disk += n - keep
+            elif keep < n:
+                self._drop_deferred(n - keep)
             positions = put.positions
             for i in range(keep):
                 heapq.heappush(self._deferred, (put.due_ns, next(self._seq), put.frames[i],
@@ -601,8 +604,18 @@ class Channel:
             self.forget([i for ids, _, _ in pieces for i in ids])
         self._room_made()
 
+    def _drop_deferred(self, count: int) -> None:
+        self.dropped_count += count
+        log.warning("ephemeral channel's deferred messages full, dropping", channel=self.name,
+                    topic=self.topic_name, dropped=count)
+
     def _defer(self, frame: bytes, due_ns: int, pos: int | None) -> None:
         backend = self.backend
+        if backend is None and len(self._deferred) >= max(self.mem_queue_size, 1):
+            self._drop_deferred(1)  # no disk to spill to: bounded as its memory queue is
+            if self.failed:
+                self.failed.pop(message.frame_id(frame), None)
+            return
         if len(self._deferred) >= max(self.mem_queue_size, 1) and backend is not None:
             failed = self.failed.pop(message.frame_id(frame), 0) if self.failed else 0
             try:

@@ -293,3 +293,18 @@ def test_single_publishes_are_coalesced_into_few_chunks():
     assert len(ch._chunks) == 4  # 64 + 64 + 64 + 8
     sub, _ = subscribe(ch, rdy=1000)
     assert ids_of(fill(sub)) == chunk(200)[0]
+
+
+def test_ephemeral_deferred_messages_are_bounded_as_its_memory_queue():
+    ch = channel(mem_queue_size=3, name="c#ephemeral")
+    sub, _ = subscribe(ch, rdy=3)
+    for round_ in range(3):
+        ids, _ = chunk(3, start=3 * round_)
+        ch.put_chunk(*chunk(3, start=3 * round_))
+        fill(sub)
+        for msg_id in ids:
+            sub.requeue(msg_id, 60 * S, 0)
+    assert ch.deferred_count == 3 and ch.dropped_count == 6
+    put = ch.prepare_put(*chunk(5, start=100), False, 60 * S)
+    ch.commit_put(put)
+    assert ch.deferred_count == 3 and ch.dropped_count == 11
