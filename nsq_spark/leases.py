@@ -340,7 +340,7 @@ class LeaseReader:
             yield from self._reopened(conn, reply["count"])
             return
         self._past_end = True
-        self._got = 0  # if it had given messages, the daemon lost it (and them)
+        self._got = 0  # if it had given messages, the daemon lost the lease (they are queued again, or lost)
         if not fresh:
             yield from self._seal(conn)
             return

@@ -135,10 +135,15 @@ def json_bodies(start: int, stop: int) -> list[bytes]:
 
 
 def consume(addr: str, topic: str, channel: str, idle: float = 1.0) -> list[tuple[bytes, int, bytes]]:
-    """Drain a channel as a plain NSQ consumer (FIN every message): ``(id, attempts, body)``."""
+    """Drain a channel as a plain NSQ consumer (FIN every message): ``(id, attempts, body)``.
+
+    Output buffering is off: nsqd may hold a few messages for its 250 ms
+    output_buffer_timeout, longer than ``idle``, and they would be given back
+    at every call.
+    """
     got = []
     with Connection(addr) as conn:
-        conn.identify(feature_negotiation=True)
+        conn.identify(feature_negotiation=True, output_buffer_timeout=-1)
         conn.subscribe(topic, channel)
         conn.command("RDY 500")
         while True:
