@@ -50,7 +50,7 @@ from . import message
 from .diskq import DiskQueueError
 from .diskq.records import RECORD_HEADER_SIZE
 from .e2e import LatencyWindow
-from .in_flight import Item
+from .in_flight import Item, pieces
 from .leases import Leases
 from .policy import ChannelPolicy
 from .subscription import Budget, Consumer, Subscription, keep_sample
@@ -342,7 +342,7 @@ class Channel:
             self._chunks[0] = (ids0[self._head:], frames0[self._head:],
                                None if positions0 is None else positions0[self._head:])
             self._head = 0
-        for piece in reversed(_pieces(items)):
+        for piece in reversed(pieces(items)):
             self._chunks.appendleft(piece)
             self._mem_count += len(piece[0])
             self._mem_bytes += sum(map(len, piece[1]))
@@ -663,7 +663,7 @@ class Channel:
         while deferred and deferred[0][0] <= now_ns:
             _, _, frame, pos = heapq.heappop(deferred)
             due.append((frame, pos))
-        for ids, frames, positions in _pieces(due):
+        for ids, frames, positions in pieces(due):
             self._chunks.append((ids, frames, positions))
             self._mem_count += len(ids)
             self._mem_bytes += sum(map(len, frames))
@@ -861,18 +861,3 @@ class _Notes:
             note = {**(note or {}), **single}
         return note
 
-
-def _pieces(items: list[Item]) -> list[Piece]:
-    """Items as pieces that keep disk-backed and memory-only messages apart."""
-    out: list[Piece] = []
-    start = 0
-    while start < len(items):
-        on_disk = items[start][1] is not None
-        end = start + 1
-        while end < len(items) and (items[end][1] is not None) == on_disk:
-            end += 1
-        frames = [frame for frame, _ in items[start:end]]
-        positions = tuple(pos for _, pos in items[start:end]) if on_disk else None
-        out.append((list(map(message.frame_id_of, frames)), frames, positions))
-        start = end
-    return out

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from itertools import islice
 
-from .message import frame_id
+from .message import frame_id_of
 
 #: one message taken out of in-flight: its frame and its disk position (None: memory only)
 Item = tuple[bytes, "int | None"]
@@ -81,16 +81,8 @@ class InFlight:
         Disk-backed and memory-only messages go in separate deliveries, so each
         delivery's ``positions`` stays all positions (a tuple: not neighbours) or None.
         """
-        start = 0
-        while start < len(items):
-            on_disk = items[start][1] is not None
-            end = start + 1
-            while end < len(items) and (items[end][1] is not None) == on_disk:
-                end += 1
-            frames = [frame for frame, _ in items[start:end]]
-            positions = tuple(pos for _, pos in items[start:end]) if on_disk else None
-            self.add([frame_id(f) for f in frames], frames, positions, deadline, now)
-            start = end
+        for ids, frames, positions in pieces(items):
+            self.add(ids, frames, positions, deadline, now)
 
     def finish(self, msg_id: bytes) -> bool:
         return self.map.pop(msg_id, None) is not None
@@ -177,3 +169,19 @@ class InFlight:
                 count += len(positions)
         self.deliveries = live
         return out, count
+
+
+def pieces(items: list[Item]) -> list[tuple[list[bytes], list[bytes], tuple[int, ...] | None]]:
+    """Items as ``(ids, frames, positions)`` runs that keep disk-backed and memory-only messages apart."""
+    out = []
+    start = 0
+    while start < len(items):
+        on_disk = items[start][1] is not None
+        end = start + 1
+        while end < len(items) and (items[end][1] is not None) == on_disk:
+            end += 1
+        frames = [frame for frame, _ in items[start:end]]
+        positions = tuple(pos for _, pos in items[start:end]) if on_disk else None
+        out.append((list(map(frame_id_of, frames)), frames, positions))
+        start = end
+    return out
