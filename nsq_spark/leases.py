@@ -54,6 +54,9 @@ from .rows import Columns
 #: a first read that has what it needs stops when nothing arrives for this long (shorter gaps end reads
 #: early on a busy machine, where a daemon with a backlog can wait that long for a CPU)
 IDLE_GAP = 0.2
+#: asked for in IDENTIFY: nsqd holds a slow stream's messages at most this long (its default, 250 ms, is
+#: longer than IDLE_GAP and would end reads while messages wait in its output buffer)
+OUTPUT_BUFFER_TIMEOUT_MS = 50
 #: rows, and bytes of frames, per Arrow batch handed to Spark
 BATCH_ROWS = 8192
 BATCH_BYTES = 16 << 20
@@ -123,7 +126,8 @@ def settle(conn: Connection, base: str, verb: str) -> int:
 
 def send_handshake(conn: Connection, topic: str, channel: str, msg_timeout_ms: int) -> None:
     """``IDENTIFY`` with the lease extension, then ``SUB``, in one write; :func:`check_handshake` reads the answers."""
-    conn.send(identify_command(feature_negotiation=True, leases=True, msg_timeout=msg_timeout_ms)
+    conn.send(identify_command(feature_negotiation=True, leases=True, msg_timeout=msg_timeout_ms,
+                               output_buffer_timeout=OUTPUT_BUFFER_TIMEOUT_MS)
               + f"SUB {topic} {channel}\n".encode())
 
 

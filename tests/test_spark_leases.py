@@ -162,6 +162,27 @@ def test_a_first_read_stops_when_nothing_arrives_or_waits_for_its_minimum(daemon
     assert 0.4 < time.monotonic() - started < 3
 
 
+def test_a_slow_stream_is_read_whole_although_the_daemon_buffers_its_output(daemon):
+    """Messages 80 ms apart: the daemon must not hold them in its output buffer past the reader's idle gap."""
+    addr = address(daemon)
+    publish(addr, "l5", [b"warm-up"])
+    read(addr, "l5", "slow:0:0")
+
+    def trickle():
+        for body in bodies(8, b"s"):
+            time.sleep(0.08)
+            publish(addr, "l5", [body])
+
+    assert leases.OUTPUT_BUFFER_TIMEOUT_MS / 1000 + 0.08 < leases.IDLE_GAP
+    writer = threading.Thread(target=trickle)
+    writer.start()
+    try:
+        _, got, _ = read(addr, "l5", "slow:1:0", min_messages=1, max_delay=10.0)
+    finally:
+        writer.join()
+    assert got == bodies(8, b"s")
+
+
 def test_driver_probes_plans_and_acknowledges(daemon):
     addr = address(daemon)
     opts = ReadOptions.parse({"nsqd.address": addr, "topic": "l5", "channel": "c", "numPartitions": "2",
