@@ -5,7 +5,7 @@ messagePump: the reader receives up to 256 KiB, feeds the sans-I/O protocol
 (which parses and executes every complete command) and writes what that
 produced; the pump sleeps until the channel wakes it (messages arrived) or a
 heartbeat is due. Whichever task writes first fills from the channel and sends
-everything pending in one ``send_all``; the other never waits for a lock: the
+everything pending in one write; the other never waits for a lock: the
 pump leaves the write to the active writer (which refills before it stops),
 the reader waits for it to finish before reading more, so a client that does
 not read back-pressures its own publishing and never grows our buffers.
@@ -15,6 +15,14 @@ Reads are paced: the protocol parses and executes at most
 checkpoint) between steps, and the compressed and TLS streams expand one
 bounded step per receive, so no read, however much it expands, holds the
 event loop for long.
+
+A plain TCP connection reads with ``readv`` into a buffer all connections
+share, waiting for the socket first when the last read found nothing (a
+client waiting for our answer), and writes with one non-blocking ``write``;
+Trio's stream calls only when TLS or compression wraps the socket, or when
+the socket buffer is full. That saves the read that finds nothing (one of
+the four system calls of a request and its answer) and most of the Python
+around the other reads and writes.
 
 Deadlines, as nsqd's: a whole command, line and body, must arrive within two
 heartbeat intervals of the previous one completing (the clock does not
@@ -51,6 +59,8 @@ if TYPE_CHECKING:
 log = structlog.get_logger("nsqd.tcp")
 
 RECEIVE_SIZE = 256 * 1024
+#: plain TCP reads land here, then are copied into the connection's parser at once
+_RECEIVE_BUFFER = bytearray(RECEIVE_SIZE)
 #: time a new connection has to send the protocol magic
 MAGIC_TIMEOUT = 10.0
 _BAD_PROTOCOL = message.encode_error(b"E_BAD_PROTOCOL")
@@ -172,6 +182,8 @@ class Connection:
         self.stream = stream
         #: the socket's descriptor while the stream is plain TCP (-1 once TLS or compression wraps it)
         self._plain_fd = stream.socket.fileno() if type(stream) is trio.SocketStream else -1
+        #: the last read found nothing: wait for the socket before reading
+        self._wait_first = True
         self.client = client
         self.protocol = ProtocolV2(nsqd, client)
         self._lot = trio.lowlevel.ParkingLot()
@@ -200,7 +212,6 @@ class Connection:
         client = self.client
         protocol = self.protocol
         parser = protocol.parser
-        receive = self.stream.receive_some
         last_command = trio.current_time()
         while True:
             if data:
@@ -225,9 +236,8 @@ class Connection:
                     return
                 if parser.parsed != parsed:
                     last_command = trio.current_time()
-                receive = self.stream.receive_some
             with trio.move_on_at(last_command + self._command_time()) as scope:
-                data = await receive(RECEIVE_SIZE)
+                data = await self._receive()
             if scope.cancelled_caught:
                 if parser.buffered:
                     log.warning("command not received in time", client=client.remote_address,
@@ -237,6 +247,35 @@ class Connection:
                 return
             if not data:
                 return
+
+    async def _receive(self) -> bytes | memoryview:
+        """The next bytes from the client; b"" once it hung up.
+
+        A plain TCP connection is read into one buffer that every connection
+        shares (the caller copies the bytes into its parser before it yields). A
+        client that waited for our answer before sending more (most do) is
+        waited for first, which saves the read that would find nothing.
+        """
+        fd = self._plain_fd
+        if fd < 0:
+            return await self.stream.receive_some(RECEIVE_SIZE)  # TLS or compression
+        if self._wait_first:
+            await trio.lowlevel.wait_readable(fd)
+        else:
+            await trio.lowlevel.checkpoint()
+        buffer = _RECEIVE_BUFFER
+        while True:
+            try:
+                count = os.readv(fd, (buffer,))
+            except BlockingIOError:
+                self._wait_first = True
+                await trio.lowlevel.wait_readable(fd)
+                continue
+            except OSError as exc:
+                raise trio.BrokenResourceError(f"socket read failed: {exc}") from exc
+            # a full buffer: more is likely waiting, read again at once next time
+            self._wait_first = count < len(buffer)
+            return memoryview(buffer)[:count]
 
     def _command_time(self) -> float:
         """Seconds a whole command has, from the end of the previous one (nsqd's read deadline)."""
