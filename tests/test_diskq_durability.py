@@ -295,3 +295,58 @@ async def test_failing_background_checkpoints_retry_at_the_timeout_pace(tmp_path
     reopened = DiskQueue("q", tmp_path)
     assert reopened.read_many(5) == [b"x"]
     reopened.close()
+
+
+async def test_a_bug_in_the_sync_thread_fails_the_waiters_and_surfaces_from_run(tmp_path, monkeypatch):
+    queue = DiskQueue("q", tmp_path)
+
+    def broken(plan, files, gate):
+        raise RuntimeError("not an I/O error")
+
+    monkeypatch.setattr(queue_module.sync, "execute", broken)
+    outcomes = []
+
+    async def producer():
+        queue.put(b"x")
+        try:
+            await queue.wait_durable()
+        except DiskQueueError as exc:
+            outcomes.append(str(exc))
+
+    with pytest.raises(BaseExceptionGroup) as raised:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(queue.run)
+            nursery.start_soon(producer)
+    assert raised.value.subgroup(lambda e: isinstance(e, RuntimeError) and "not an I/O error" in str(e)) is not None
+    assert len(outcomes) == 1 and "sync failed" in outcomes[0]
+    monkeypatch.undo()
+    queue.close()
+
+
+async def test_a_commit_waits_for_a_free_worker_thread(tmp_path):
+    queue = DiskQueue("q", tmp_path)
+    limiter = trio.to_thread.current_default_thread_limiter()
+    holders = [object() for _ in range(int(limiter.total_tokens))]
+    for holder in holders:  # every worker thread busy elsewhere
+        await limiter.acquire_on_behalf_of(holder)
+    done = trio.Event()
+
+    async def producer():
+        queue.put(b"x")
+        await queue.wait_durable()
+        done.set()
+
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(queue.run)
+            nursery.start_soon(producer)
+            await trio.sleep(0.1)
+            assert not done.is_set()
+            limiter.release_on_behalf_of(holders.pop())
+            with trio.fail_after(5):
+                await done.wait()
+            nursery.cancel_scope.cancel()
+    finally:
+        for holder in holders:
+            limiter.release_on_behalf_of(holder)
+    queue.close()

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import bisect
 import errno
+import functools
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 import trio
@@ -41,6 +43,9 @@ from .records import MAX_RECORD_LENGTH, MAX_SEGMENT_BYTES, RECORD_HEADER_SIZE, S
 from .recovery import recover
 from .stats import DiskQueueStatistics
 from .writer import SegmentWriter
+
+if TYPE_CHECKING:
+    import outcome  # trio's own dependency: the type of what a worker thread hands back
 
 logger = structlog.get_logger("nsqd.diskq")
 
@@ -480,14 +485,64 @@ class DiskQueue:
             self._last_checkpoint = trio.current_time()
         plan = self._plan(checkpoint)
         if plan.fds or plan.sync_directory:
-            try:
-                await trio.to_thread.run_sync(sync.execute, plan, self._files, self._gate)
-            except OSError as exc:
-                self._writer.directory_changed |= plan.sync_directory
-                if plan.metadata is not None:
-                    self._metadata_dirty = True
-                commit.finish(self._write_failed(exc))
+            await self._sync(plan, commit, target)
+            if commit.error is not None:
                 return
+        else:
+            self._settle(plan, commit, target, None)
+        if plan.metadata is not None:
+            await self._checkpoint(plan)
+
+    async def _sync(self, plan: sync.SyncPlan, commit: _CommitRound, target: int) -> None:
+        """Run the plan in a worker thread; the waiters are released the moment it returns.
+
+        Unlike ``trio.to_thread.run_sync`` this starts the thread without
+        yielding first and settles the round in the callback that reports
+        back, not in this task after another scheduler pass: while other
+        publishers' batches keep the event loop busy, each of those passes
+        would add a batch's time to every confirmation.
+        """
+        limiter = trio.to_thread.current_default_thread_limiter()
+        token = object()
+        try:
+            limiter.acquire_on_behalf_of_nowait(token)
+        except trio.WouldBlock:
+            await limiter.acquire_on_behalf_of(token)
+        settled = trio.Event()
+        unexpected: list[BaseException] = []
+        trio_token = trio.lowlevel.current_trio_token()
+
+        def report(result: outcome.Outcome[None]) -> None:  # in the Trio thread
+            limiter.release_on_behalf_of(token)
+            try:
+                result.unwrap()
+            except OSError as exc:
+                self._settle(plan, commit, target, exc)
+            except BaseException as exc:  # a bug: raised in this task below, not in the run loop
+                unexpected.append(exc)
+                commit.finish(DiskQueueError(f"disk queue {self.name!r}: sync failed: {exc!r}"))
+            else:
+                self._settle(plan, commit, target, None)
+            settled.set()
+
+        def deliver(result: outcome.Outcome[None]) -> None:  # in the worker thread
+            trio_token.run_sync_soon(report, result)
+
+        trio.lowlevel.start_thread_soon(functools.partial(sync.execute, plan, self._files, self._gate), deliver,
+                                        name=f"diskq sync {self.name}")
+        await settled.wait()
+        if unexpected:
+            raise unexpected[0]
+
+    def _settle(self, plan: sync.SyncPlan, commit: _CommitRound, target: int, error: OSError | None) -> None:
+        """Account for a round's sync and release its waiters."""
+        if error is not None:
+            self._writer.directory_changed |= plan.sync_directory
+            if plan.metadata is not None:
+                self._metadata_dirty = True
+            commit.finish(self._write_failed(error))
+            return
+        if plan.fds or plan.sync_directory:
             if plan.generation == self._gate.generation:
                 self._writer.close_retired(plan.retired)
             self._syncs += 1
@@ -496,8 +551,6 @@ class DiskQueue:
                 self.failing = None
         self._durable_count = max(self._durable_count, target)
         commit.finish(None)
-        if plan.metadata is not None:
-            await self._checkpoint(plan)
 
     async def _checkpoint(self, plan: sync.SyncPlan) -> None:
         """Save the plan's metadata to the checkpoint file, then remove the segments it released.
