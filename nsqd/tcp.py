@@ -20,9 +20,12 @@ A plain TCP connection reads with ``readv`` into a buffer all connections
 share, waiting for the socket first when the last read found nothing (a
 client waiting for our answer), and writes with one non-blocking ``write``;
 Trio's stream calls only when TLS or compression wraps the socket, or when
-the socket buffer is full. That saves the read that finds nothing (one of
-the four system calls of a request and its answer) and most of the Python
-around the other reads and writes.
+the socket buffer is full. It waits through the readiness hub
+(``nsqd/readiness.py``: its socket registered once in one edge-triggered
+epoll) instead of Trio's ``wait_readable``, which registers it again on
+every wait. That saves the read that finds nothing and the ``epoll_ctl``
+(two of the five system calls of a request and its answer) and most of the
+Python around the other reads and writes.
 
 Deadlines, as nsqd's: a whole command, line and body, must arrive within two
 heartbeat intervals of the previous one completing (the clock does not
@@ -54,6 +57,7 @@ from .client_v2 import ClientV2
 from .compression import DeflateStream, SnappyStream
 from .broker import PublishError
 from .protocol_v2 import HEARTBEAT, MAGIC_V2, ProtocolV2, Unconfirmed
+from .readiness import ReadinessHub
 from .slots import LINGER
 from .write_turn import WriteTurn
 
@@ -90,12 +94,15 @@ async def serve_tcp(nsqd: Broker, listeners, handlers: trio.Nursery, *,
                     task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Accept connections until cancelled; each runs in the ``handlers`` nursery."""
     async with trio.open_nursery() as nursery:
+        hub = ReadinessHub()
+        await nursery.start(hub.run)
         for listener in listeners:
-            nursery.start_soon(_accept_loop, nsqd, listener, handlers)
+            nursery.start_soon(_accept_loop, nsqd, listener, handlers, hub)
         task_status.started()
 
 
-async def _accept_loop(nsqd: Broker, listener: trio.SocketListener, handlers: trio.Nursery) -> None:
+async def _accept_loop(nsqd: Broker, listener: trio.SocketListener, handlers: trio.Nursery,
+                       hub: ReadinessHub) -> None:
     slots = nsqd.connection_slots
     async with listener:
         while True:
@@ -106,16 +113,16 @@ async def _accept_loop(nsqd: Broker, listener: trio.SocketListener, handlers: tr
                 await trio.sleep(0.1)
                 continue
             if slots.take():
-                handlers.start_soon(handle_connection, nsqd, stream)
+                handlers.start_soon(handle_connection, nsqd, stream, hub)
             else:
                 handlers.start_soon(refuse_connection, nsqd, stream)
 
 
-async def handle_connection(nsqd: Broker, stream: trio.SocketStream) -> None:
+async def handle_connection(nsqd: Broker, stream: trio.SocketStream, hub: ReadinessHub) -> None:
     """Serve one connection (holding a connection slot); whatever goes wrong stays inside it."""
     remote = peer_address(stream)
     try:
-        await _serve(nsqd, stream, remote)
+        await _serve(nsqd, stream, remote, hub)
     except* (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, ConnectionError,
              ssl.SSLError):
         log.info("connection dropped", client=remote)
@@ -138,7 +145,7 @@ async def refuse_connection(nsqd: Broker, stream: trio.SocketStream) -> None:
         await hang_up(stream, linger)
 
 
-async def _serve(nsqd: Broker, stream: trio.SocketStream, remote: str) -> None:
+async def _serve(nsqd: Broker, stream: trio.SocketStream, remote: str, hub: ReadinessHub) -> None:
     magic = None
     with trio.move_on_after(MAGIC_TIMEOUT):
         magic = await _receive_exactly(stream, 4)
@@ -150,7 +157,7 @@ async def _serve(nsqd: Broker, stream: trio.SocketStream, remote: str) -> None:
         await hang_up(stream)
         return
     client = ClientV2(nsqd.new_client_id(), remote, nsqd.options, nsqd.now_ns())
-    connection = Connection(nsqd, stream, client)
+    connection = Connection(nsqd, stream, client, hub)
     nsqd.add_client(client)
     try:
         await connection.run(magic[4:])
@@ -181,11 +188,14 @@ def peer_address(stream: trio.SocketStream) -> str:
 
 
 class Connection:
-    def __init__(self, nsqd: Broker, stream: trio.SocketStream, client: ClientV2) -> None:
+    def __init__(self, nsqd: Broker, stream: trio.SocketStream, client: ClientV2, hub: ReadinessHub) -> None:
         self.nsqd = nsqd
         self.stream = stream
         #: the socket's descriptor while the stream is plain TCP (-1 once TLS or compression wraps it)
         self._plain_fd = stream.socket.fileno() if type(stream) is trio.SocketStream else -1
+        self._hub = hub
+        #: the plain socket's readiness, from the hub (None once TLS or compression wraps it)
+        self._watch = hub.watch(self._plain_fd) if self._plain_fd >= 0 else None
         #: the last read found nothing: wait for the socket before reading
         self._wait_first = True
         self.client = client
@@ -213,6 +223,7 @@ class Connection:
                 finally:
                     nursery.cancel_scope.cancel()
         finally:
+            self._unwatch()
             self.client.on_wake = _noop
             self.protocol.parser.clear()
             log.info("client gone", client=self.client.remote_address, id=self.client.id)
@@ -264,7 +275,7 @@ class Connection:
         if fd < 0:
             return await self.stream.receive_some(RECEIVE_SIZE)  # TLS or compression
         if self._wait_first:
-            await trio.lowlevel.wait_readable(fd)
+            await self._watch.wait()
         else:
             await trio.lowlevel.checkpoint()
         buffer = _RECEIVE_BUFFER
@@ -273,13 +284,19 @@ class Connection:
                 count = os.readv(fd, (buffer,))
             except BlockingIOError:
                 self._wait_first = True
-                await trio.lowlevel.wait_readable(fd)
+                await self._watch.wait()
                 continue
             except OSError as exc:
                 raise trio.BrokenResourceError(f"socket read failed: {exc}") from exc
             # a full buffer: more is likely waiting, read again at once next time
             self._wait_first = count < len(buffer)
             return memoryview(buffer)[:count]
+
+    def _unwatch(self) -> None:
+        """The socket is no longer read directly (closing, or wrapped by TLS or compression)."""
+        if self._watch is not None:
+            self._hub.forget(self._watch)
+            self._watch = None
 
     def _read_timed_out(self) -> None:
         """The client sent no whole command in time: log why and end the connection."""
@@ -368,6 +385,7 @@ class Connection:
                 client.deflate = True
             self.stream = stream
             self._plain_fd = -1
+            self._unwatch()
             log.info("connection upgraded", client=client.remote_address, to=kind)
             await self.stream.send_all(_OK)
 

@@ -1,0 +1,114 @@
+"""The readiness hub: one edge-triggered epoll for the plain TCP connections (real sockets)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import trio
+import trio.testing
+
+from nsqd.readiness import ReadinessHub
+
+pytestmark = pytest.mark.skipif(not hasattr(__import__("select"), "epoll"), reason="epoll is Linux's")
+
+
+async def _hub(nursery: trio.Nursery) -> ReadinessHub:
+    hub = ReadinessHub()
+    await nursery.start(hub.run)
+    return hub
+
+
+def _pair() -> tuple[socket.socket, socket.socket]:
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    return ours, theirs
+
+
+async def test_a_parked_reader_wakes_when_data_arrives():
+    async with trio.open_nursery() as nursery:
+        hub = await _hub(nursery)
+        ours, theirs = _pair()
+        watch = hub.watch(ours.fileno())
+        woke = trio.Event()
+
+        async def reader():
+            await watch.wait()
+            woke.set()
+
+        nursery.start_soon(reader)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not woke.is_set()
+        theirs.send(b"PUB t\n")
+        with trio.fail_after(2):
+            await woke.wait()
+        assert ours.recv(100) == b"PUB t\n"
+        hub.forget(watch)
+        nursery.cancel_scope.cancel()
+
+
+async def test_data_that_came_before_the_wait_is_not_missed():
+    async with trio.open_nursery() as nursery:
+        hub = await _hub(nursery)
+        ours, theirs = _pair()
+        theirs.send(b"early")  # before the socket is registered: the registration reports it
+        watch = hub.watch(ours.fileno())
+        with trio.fail_after(2):
+            await watch.wait()
+        assert ours.recv(100) == b"early"
+        theirs.send(b"while not parked")
+        await trio.testing.wait_all_tasks_blocked()  # the hub marks the watch
+        with trio.fail_after(2):
+            await watch.wait()
+        assert ours.recv(100) == b"while not parked"
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_hang_up_behind_data_is_seen_after_the_read_that_returns_the_data():
+    """One edge for data and end of stream: a read returns the data, the next wait must still return."""
+    async with trio.open_nursery() as nursery:
+        hub = await _hub(nursery)
+        ours, theirs = _pair()
+        watch = hub.watch(ours.fileno())
+        theirs.send(b"last words")
+        theirs.close()
+        with trio.fail_after(2):
+            await watch.wait()
+            assert os.readv(ours.fileno(), [bytearray(100)]) == len(b"last words")
+            await watch.wait()
+        assert ours.recv(100) == b""
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_cancelled_wait_leaves_the_watch_usable():
+    async with trio.open_nursery() as nursery:
+        hub = await _hub(nursery)
+        ours, theirs = _pair()
+        watch = hub.watch(ours.fileno())
+        with trio.move_on_after(0.05) as scope:
+            await watch.wait()
+        assert scope.cancelled_caught and watch.task is None
+        theirs.send(b"x")
+        with trio.fail_after(2):
+            await watch.wait()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_forgotten_descriptor_number_can_be_watched_again():
+    async with trio.open_nursery() as nursery:
+        hub = await _hub(nursery)
+        ours, theirs = _pair()
+        number = ours.fileno()
+        hub.forget(hub.watch(number))
+        ours.close()
+        theirs.close()
+        again, peer = _pair()  # the lowest free descriptor: usually the same number
+        watch = hub.watch(again.fileno())
+        peer.send(b"y")
+        with trio.fail_after(2):
+            await watch.wait()
+        assert again.recv(10) == b"y"
+        hub.forget(watch)
+        hub.forget(watch)  # twice is harmless
+        nursery.cancel_scope.cancel()
