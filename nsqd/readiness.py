@@ -82,8 +82,11 @@ class ReadinessHub:
     def watch(self, fd: int) -> Watch:
         if self._epoll is None:
             return _TrioWatch(fd)
+        try:
+            self._epoll.register(fd, _EVENTS)
+        except OSError:  # out of epoll watches (fs.epoll.max_user_watches): Trio's own wait still works
+            return _TrioWatch(fd)
         watch = self._watches[fd] = Watch(fd)
-        self._epoll.register(fd, _EVENTS)
         return watch
 
     def forget(self, watch: Watch) -> None:

@@ -112,3 +112,19 @@ async def test_a_forgotten_descriptor_number_can_be_watched_again():
         hub.forget(watch)
         hub.forget(watch)  # twice is harmless
         nursery.cancel_scope.cancel()
+
+
+async def test_a_socket_the_epoll_refuses_waits_with_trio_instead():
+    async with trio.open_nursery() as nursery:
+        hub = await _hub(nursery)
+        ours, theirs = _pair()
+        first = hub.watch(ours.fileno())
+        second = hub.watch(ours.fileno())  # EEXIST, as ENOSPC past fs.epoll.max_user_watches
+        assert type(second) is not type(first)
+        theirs.send(b"z")
+        with trio.fail_after(2):
+            await second.wait()
+        assert ours.recv(10) == b"z"
+        hub.forget(second)  # not the hub's: leaves the first registered
+        assert hub._watches[ours.fileno()] is first
+        nursery.cancel_scope.cancel()
