@@ -5,14 +5,10 @@ from __future__ import annotations
 import os
 import socket
 
-import pytest
 import trio
 import trio.testing
 
 from nsqd.readiness import ReadinessHub
-
-pytestmark = pytest.mark.skipif(not hasattr(__import__("select"), "epoll"), reason="epoll is Linux's")
-
 
 async def _hub(nursery: trio.Nursery) -> ReadinessHub:
     hub = ReadinessHub()
