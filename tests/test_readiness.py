@@ -10,6 +10,7 @@ import trio.testing
 
 from nsqd.readiness import ReadinessHub
 
+
 async def _hub(nursery: trio.Nursery) -> ReadinessHub:
     hub = ReadinessHub()
     await nursery.start(hub.run)
