@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from contextlib import asynccontextmanager
 
 import trio
 import trio.testing
@@ -21,6 +22,16 @@ def _pair() -> tuple[socket.socket, socket.socket]:
     ours, theirs = socket.socketpair()
     ours.setblocking(False)
     return ours, theirs
+
+
+@asynccontextmanager
+async def _watched():
+    """A running hub and a socket pair whose first end it watches; the hub stops on exit."""
+    async with trio.open_nursery() as nursery:
+        hub = await _hub(nursery)
+        ours, theirs = _pair()
+        yield hub, ours, theirs, hub.watch(ours.fileno())
+        nursery.cancel_scope.cancel()
 
 
 async def test_a_parked_reader_wakes_when_data_arrives():
@@ -64,10 +75,7 @@ async def test_data_that_came_before_the_wait_is_not_missed():
 
 async def test_a_hang_up_behind_data_is_seen_after_the_read_that_returns_the_data():
     """One edge for data and end of stream: a read returns the data, the next wait must still return."""
-    async with trio.open_nursery() as nursery:
-        hub = await _hub(nursery)
-        ours, theirs = _pair()
-        watch = hub.watch(ours.fileno())
+    async with _watched() as (_, ours, theirs, watch):
         theirs.send(b"last words")
         theirs.close()
         with trio.fail_after(2):
@@ -75,21 +83,16 @@ async def test_a_hang_up_behind_data_is_seen_after_the_read_that_returns_the_dat
             assert os.readv(ours.fileno(), [bytearray(100)]) == len(b"last words")
             await watch.wait()
         assert ours.recv(100) == b""
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_cancelled_wait_leaves_the_watch_usable():
-    async with trio.open_nursery() as nursery:
-        hub = await _hub(nursery)
-        ours, theirs = _pair()
-        watch = hub.watch(ours.fileno())
+    async with _watched() as (_, _ours, theirs, watch):
         with trio.move_on_after(0.05) as scope:
             await watch.wait()
         assert scope.cancelled_caught and watch.task is None
         theirs.send(b"x")
         with trio.fail_after(2):
             await watch.wait()
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_forgotten_descriptor_number_can_be_watched_again():
@@ -112,10 +115,7 @@ async def test_a_forgotten_descriptor_number_can_be_watched_again():
 
 
 async def test_a_socket_the_epoll_refuses_waits_with_trio_instead():
-    async with trio.open_nursery() as nursery:
-        hub = await _hub(nursery)
-        ours, theirs = _pair()
-        first = hub.watch(ours.fileno())
+    async with _watched() as (hub, ours, theirs, first):
         second = hub.watch(ours.fileno())  # EEXIST, as ENOSPC past fs.epoll.max_user_watches
         assert type(second) is not type(first)
         theirs.send(b"z")
@@ -124,4 +124,3 @@ async def test_a_socket_the_epoll_refuses_waits_with_trio_instead():
         assert ours.recv(10) == b"z"
         hub.forget(second)  # not the hub's: leaves the first registered
         assert hub._watches[ours.fileno()] is first
-        nursery.cancel_scope.cancel()
