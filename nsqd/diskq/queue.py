@@ -528,8 +528,9 @@ class DiskQueue:
         def deliver(result: outcome.Outcome[None]) -> None:  # in the worker thread
             trio_token.run_sync_soon(report, result)
 
-        trio.lowlevel.start_thread_soon(functools.partial(sync.execute, plan, self._files, self._gate), deliver,
-                                        name=f"diskq sync {self.name}")
+        # Unnamed: naming the thread for the job and back costs two prctl calls a
+        # round, and each returns through the GIL that the event loop holds.
+        trio.lowlevel.start_thread_soon(functools.partial(sync.execute, plan, self._files, self._gate), deliver)
         await settled.wait()
         if unexpected:
             raise unexpected[0]
