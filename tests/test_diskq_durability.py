@@ -21,18 +21,26 @@ def metadata(path, name="q"):
     return max(saved, key=lambda document: document.get("sequence", 0))
 
 
-@pytest.fixture
-def counted_syncs(monkeypatch):
-    """Counts commits that reach the worker thread; the real work still runs."""
+@pytest.fixture(params=["uring", "thread"])
+def counted_syncs(request, monkeypatch):
+    """Counts commits that sync: through io_uring, or (``thread``) with it turned off; the real work still runs."""
+    if request.param == "thread":
+        monkeypatch.setattr(queue_module.uring, "open_ring", lambda: None)
     calls = []
-    real_execute = queue_module.sync.execute
+    real_sync = queue_module.DiskQueue._sync
 
-    def execute(plan, files, gate):
+    async def counted(self, plan, commit, target):
         calls.append(plan)
-        real_execute(plan, files, gate)
+        await real_sync(self, plan, commit, target)
 
-    monkeypatch.setattr(queue_module.sync, "execute", execute)
+    monkeypatch.setattr(queue_module.DiskQueue, "_sync", counted)
     return calls
+
+
+@pytest.fixture
+def in_threads(monkeypatch):
+    """Commits sync in worker threads (``sync.execute``), as where io_uring is not available."""
+    monkeypatch.setattr(queue_module.uring, "open_ring", lambda: None)
 
 
 async def wait_until(predicate, timeout=5.0):
@@ -156,7 +164,7 @@ async def test_read_segments_are_deleted_by_the_background_checkpoint(tmp_path):
     queue.close()
 
 
-async def test_cancelling_run_finishes_the_commit_in_flight_and_fails_later_waiters(tmp_path, monkeypatch):
+async def test_cancelling_run_finishes_the_commit_in_flight_and_fails_later_waiters(tmp_path, monkeypatch, in_threads):
     queue = DiskQueue("q", tmp_path)
     real_execute = queue_module.sync.execute
     in_thread = trio.Event()
@@ -254,7 +262,7 @@ async def test_failed_write_refuses_the_put_and_the_queue_recovers(tmp_path, mon
     reopened.close()
 
 
-async def test_failed_fsync_reports_to_its_waiters(tmp_path, monkeypatch):
+async def test_failed_fsync_reports_to_its_waiters(tmp_path, monkeypatch, in_threads):
     queue = DiskQueue("q", tmp_path)
 
     def fdatasync(fd):
@@ -274,7 +282,7 @@ async def test_failed_fsync_reports_to_its_waiters(tmp_path, monkeypatch):
     queue.close()
 
 
-async def test_failing_background_checkpoints_retry_at_the_timeout_pace(tmp_path, monkeypatch):
+async def test_failing_background_checkpoints_retry_at_the_timeout_pace(tmp_path, monkeypatch, in_threads):
     attempts = []
 
     def fdatasync(fd):
@@ -297,7 +305,7 @@ async def test_failing_background_checkpoints_retry_at_the_timeout_pace(tmp_path
     reopened.close()
 
 
-async def test_a_bug_in_the_sync_thread_fails_the_waiters_and_surfaces_from_run(tmp_path, monkeypatch):
+async def test_a_bug_in_the_sync_thread_fails_the_waiters_and_surfaces_from_run(tmp_path, monkeypatch, in_threads):
     queue = DiskQueue("q", tmp_path)
 
     def broken(plan, files, gate):

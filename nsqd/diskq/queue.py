@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import structlog
 import trio
 
-from . import sync
+from . import sync, uring
 from .errors import DiskQueueError, DiskQueueReadError, DiskQueueWriteError, MessageSizeError
 from .lock import acquire_queue_lock
 from .metadata import CheckpointFile, Kept, Metadata, save_metadata
@@ -154,6 +154,8 @@ class DiskQueue:
         self._sequence = state.sequence
         self._checkpoint_file = CheckpointFile(self._files.checkpoint_path)
         self._gate = sync.SyncGate()
+        #: the io_uring for the commits' fdatasyncs, while run() runs and the kernel allows it
+        self._ring: uring.SyncRing | None = None
         self._wakeup = trio.Event()
         self._next_round = _CommitRound()
         self._running = False
@@ -447,6 +449,7 @@ class DiskQueue:
             raise DiskQueueError(f"disk queue {self.name!r}: run() is already running")
         self._running = True
         self._last_checkpoint = trio.current_time()
+        self._ring = uring.open_ring()
         try:
             task_status.started()
             while not self._closed:
@@ -464,6 +467,9 @@ class DiskQueue:
                     self._last_checkpoint = trio.current_time()
         finally:
             self._running = self._run_scheduled = False
+            if self._ring is not None:  # nothing in flight: a commit returns once its syncs completed
+                self._ring.close()
+                self._ring = None
             if not self._closed:
                 self._next_round.finish(DiskQueueError(f"disk queue {self.name!r}: run() stopped"))
                 self._next_round = _CommitRound()
@@ -494,6 +500,31 @@ class DiskQueue:
             await self._checkpoint(plan)
 
     async def _sync(self, plan: sync.SyncPlan, commit: _CommitRound, target: int) -> None:
+        """Sync the plan's descriptors, through io_uring where it works, and release the waiters.
+
+        A new segment's directory entry, and a round io_uring does not take,
+        are synced in a worker thread.
+        """
+        ring = self._ring
+        if ring is not None and not plan.sync_directory:
+            try:
+                ring.submit(plan.fds, plan.generation)
+            except OSError as exc:  # nothing is in flight: worker threads from now on
+                self._log.warning("diskq_uring_refused", error=str(exc))
+                self._ring = None
+                ring.close()
+            else:
+                error = None
+                while ring.in_flight:
+                    await trio.lowlevel.wait_readable(ring.fileno)
+                    for _, result in ring.reap():
+                        if result < 0 and error is None:
+                            error = OSError(-result, os.strerror(-result))
+                self._settle(plan, commit, target, error)
+                return
+        await self._sync_in_thread(plan, commit, target)
+
+    async def _sync_in_thread(self, plan: sync.SyncPlan, commit: _CommitRound, target: int) -> None:
         """Run the plan in a worker thread; the waiters are released the moment it returns.
 
         Unlike ``trio.to_thread.run_sync`` this starts the thread without
@@ -536,8 +567,14 @@ class DiskQueue:
             raise unexpected[0]
 
     def _settle(self, plan: sync.SyncPlan, commit: _CommitRound, target: int, error: OSError | None) -> None:
-        """Account for a round's sync and release its waiters."""
-        if error is not None:
+        """Account for a round's sync and release its waiters.
+
+        If the queue was closed or emptied while the round synced, the
+        round's error does not count: close() synced everything itself, and
+        emptying dropped the records (and either may have closed a
+        descriptor before the kernel's sync of it ran).
+        """
+        if error is not None and plan.generation == self._gate.generation:
             self._writer.directory_changed |= plan.sync_directory
             if plan.metadata is not None:
                 self._metadata_dirty = True
