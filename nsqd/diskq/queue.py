@@ -154,8 +154,11 @@ class DiskQueue:
         self._sequence = state.sequence
         self._checkpoint_file = CheckpointFile(self._files.checkpoint_path)
         self._gate = sync.SyncGate()
-        #: the io_uring for the commits' fdatasyncs, while run() runs and the kernel allows it
+        #: the io_uring for the commits' fdatasyncs: opened by the first commit
+        #: (most queues of a daemon never commit), closed when run() ends
         self._ring: uring.SyncRing | None = None
+        #: io_uring cannot be used here (unavailable, or it refused a submission)
+        self._ring_refused = False
         self._wakeup = trio.Event()
         self._next_round = _CommitRound()
         self._running = False
@@ -449,7 +452,6 @@ class DiskQueue:
             raise DiskQueueError(f"disk queue {self.name!r}: run() is already running")
         self._running = True
         self._last_checkpoint = trio.current_time()
-        self._ring = uring.open_ring()
         try:
             task_status.started()
             while not self._closed:
@@ -505,13 +507,16 @@ class DiskQueue:
         A new segment's directory entry, and a round io_uring does not take,
         are synced in a worker thread.
         """
+        if self._ring is None and not self._ring_refused and not plan.sync_directory:
+            self._ring = uring.open_ring()
+            self._ring_refused = self._ring is None
         ring = self._ring
         if ring is not None and not plan.sync_directory:
             try:
                 ring.submit(plan.fds, plan.generation)
             except OSError as exc:  # nothing is in flight: worker threads from now on
                 self._log.warning("diskq_uring_refused", error=str(exc))
-                self._ring = None
+                self._ring, self._ring_refused = None, True
                 ring.close()
             else:
                 error = None
