@@ -69,6 +69,18 @@ def test_too_many_syncs_at_once_are_refused_before_submission(ring, tmp_path):
     assert ring.in_flight == 0
 
 
+def test_rings_beyond_the_limit_are_not_opened(monkeypatch):
+    monkeypatch.setattr(uring, "MAX_RINGS", uring._open_rings + 2)
+    rings = [uring.open_ring(), uring.open_ring()]
+    assert None not in rings
+    assert uring.open_ring() is None  # the next queue syncs in worker threads
+    rings.pop().close()
+    again = uring.open_ring()
+    assert again is not None
+    for ring in (*rings, again):
+        ring.close()
+
+
 def counting_submissions(monkeypatch):
     submitted = []
     real_submit = uring.SyncRing.submit

@@ -37,6 +37,11 @@ _OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
 _FEAT_SINGLE_MMAP = 1
 #: submission slots; a commit round submits one sync per descriptor, and only one round is in flight
 ENTRIES = 64
+#: rings open at once in this process: each is two descriptors (the ring and its eventfd) and some
+#: kernel memory, so beyond this many queues that commit, the others sync in worker threads
+MAX_RINGS = 256
+_open_rings = 0
+_libc: ctypes.CDLL | None = None
 _SQE_SIZE, _CQE_SIZE = 64, 16
 
 _U32 = struct.Struct("=I")
@@ -73,7 +78,7 @@ class SyncRing:
         if ring < 0:
             raise _last_error("io_uring_setup")
         self._ring = ring
-        self._maps: list[mmap.mmap] = []
+        self._maps: list[tuple[int, int]] = []
         self.fileno = -1
         try:
             self._map_rings(params)
@@ -82,29 +87,33 @@ class SyncRing:
             if syscall(_SYS_REGISTER, ring, _REGISTER_EVENTFD, ctypes.byref(eventfd), 1) < 0:
                 raise _last_error("io_uring_register")
         except BaseException:
-            self.close()
+            self._release()
             raise
         self.in_flight = 0
+        global _open_rings
+        _open_rings += 1
 
     def _map_rings(self, p: _Params) -> None:
-        access = mmap.PROT_READ | mmap.PROT_WRITE
         sq_size = p.sq_array + p.sq_entries * 4
         cq_size = p.cq_cqes + p.cq_entries * _CQE_SIZE
         if p.features & _FEAT_SINGLE_MMAP:
-            self._sq = self._cq = mmap.mmap(self._ring, max(sq_size, cq_size), mmap.MAP_SHARED, access,
-                                            offset=_OFF_SQ_RING)
-            self._maps.append(self._sq)
+            self._sq = self._cq = self._map(max(sq_size, cq_size), _OFF_SQ_RING)
         else:
-            self._sq = mmap.mmap(self._ring, sq_size, mmap.MAP_SHARED, access, offset=_OFF_SQ_RING)
-            self._maps.append(self._sq)
-            self._cq = mmap.mmap(self._ring, cq_size, mmap.MAP_SHARED, access, offset=_OFF_CQ_RING)
-            self._maps.append(self._cq)
-        self._sqes = mmap.mmap(self._ring, p.sq_entries * _SQE_SIZE, mmap.MAP_SHARED, access, offset=_OFF_SQES)
-        self._maps.append(self._sqes)
+            self._sq = self._map(sq_size, _OFF_SQ_RING)
+            self._cq = self._map(cq_size, _OFF_CQ_RING)
+        self._sqes = self._map(p.sq_entries * _SQE_SIZE, _OFF_SQES)
         self._sq_head, self._sq_tail, self._sq_array = p.sq_head, p.sq_tail, p.sq_array
         self._sq_mask = _U32.unpack_from(self._sq, p.sq_ring_mask)[0]
         self._cq_head, self._cq_tail, self._cqes = p.cq_head, p.cq_tail, p.cq_cqes
         self._cq_mask = _U32.unpack_from(self._cq, p.cq_ring_mask)[0]
+
+    def _map(self, size: int, offset: int):
+        """Map a part of the ring (with libc's mmap: Python's would keep a duplicate descriptor)."""
+        address = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, self._ring, offset)
+        if address in (None, ctypes.c_void_p(-1).value):
+            raise _last_error("mmap")
+        self._maps.append((address, size))
+        return (ctypes.c_char * size).from_address(address)
 
     def submit(self, fds: list[int], tag: int) -> None:
         """Start an ``fdatasync`` of each descriptor; each completes as an event carrying ``tag``.
@@ -156,8 +165,13 @@ class SyncRing:
         return completed
 
     def close(self) -> None:
-        for mapped in self._maps:
-            mapped.close()
+        global _open_rings
+        _open_rings -= 1
+        self._release()
+
+    def _release(self) -> None:
+        for address, size in self._maps:
+            _libc.munmap(ctypes.c_void_p(address), ctypes.c_size_t(size))
         self._maps = []
         os.close(self._ring)
         if self.fileno >= 0:
@@ -165,18 +179,30 @@ class SyncRing:
 
 
 def open_ring() -> SyncRing | None:
-    """A ring for this queue's syncs, or None where io_uring cannot be used."""
+    """A ring for this queue's syncs, or None where io_uring cannot be used (or MAX_RINGS are open)."""
+    if _open_rings >= MAX_RINGS:
+        return None
     if platform.machine() != "x86_64" or not sys.platform.startswith("linux") or not hasattr(os, "eventfd"):
         return None
+    global _libc
+    if _libc is None:
+        try:
+            _libc = _load_libc()
+        except (OSError, AttributeError):
+            return None
     try:
-        syscall = ctypes.CDLL(None, use_errno=True).syscall
-    except (OSError, AttributeError):
-        return None
-    syscall.restype = ctypes.c_long
-    try:
-        return SyncRing(syscall)
+        return SyncRing(_libc.syscall)
     except OSError:
         return None
+
+
+def _load_libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
 
 
 def _last_error(call: str) -> OSError:
