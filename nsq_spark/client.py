@@ -53,6 +53,11 @@ class Declined(ConnectionLost):
     """The daemon declined a publish for now (it is draining for a restart, or full); the connection stays."""
 
 
+class Draining(ConnectionLost):
+    """The daemon refused a subscription because it is draining: its ``CLOSE_WAIT`` to the
+    connections it had may still be on the way."""
+
+
 def parse_address(address: str) -> tuple[str, int]:
     host, sep, port = address.strip().rpartition(":")
     if not sep or not host or not port.isdigit():
@@ -80,7 +85,7 @@ def error_frame(address: str, data: bytes) -> NSQError:
     if code in ("E_PUB_FAILED", "E_MPUB_FAILED", "E_DPUB_FAILED"):
         return Declined(f"nsqd {address}: {text}")
     if code == "E_SUB_FAILED" and text.endswith("exiting"):
-        return ConnectionLost(f"nsqd {address}: {text}")
+        return Draining(f"nsqd {address}: {text}")
     return NSQError(f"nsqd {address}: {text}")
 
 

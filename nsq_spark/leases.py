@@ -46,8 +46,8 @@ from collections.abc import Iterator
 
 import pyarrow as pa
 
-from .client import (FRAME_ERROR, FRAME_MESSAGE, FRAME_RESPONSE, Backoff, Connection, ConnectionLost, NSQError,
-                     error_frame, identify_command, retrying)
+from .client import (FRAME_ERROR, FRAME_MESSAGE, FRAME_RESPONSE, Backoff, Connection, ConnectionLost, Draining,
+                     NSQError, error_frame, identify_command, retrying)
 from .options import OptionError, ReadOptions
 from .rows import Columns
 
@@ -337,7 +337,11 @@ class LeaseReader:
                             yield from self._reopened(conn, reply["count"])
                             return
                     self._past_end = True
-                conn = self.link.promote()  # this one's budget is taken: a fresh segment needs a new connection
+                try:
+                    conn = self.link.promote()  # this one's budget is taken: a fresh segment needs a new connection
+                except Draining:  # as CLOSE_WAIT would say, were it read already: the read ends with what it has
+                    self._done = True
+                    return
                 self._used = False
             reply = self._lease(conn, name, rdy=fresh)
         if reply["reopened"]:
