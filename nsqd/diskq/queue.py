@@ -4,11 +4,11 @@ Every put is written to the operating system before it returns, all or
 nothing, so a crash of the process never loses a record whose put returned;
 a put that cannot be written (a full disk) raises and leaves no trace. Making
 records durable against power loss is the :meth:`DiskQueue.run` task's job,
-in a worker thread: because a caller waits for it (group commit: one
-``fdatasync`` serves every waiter of a round, and the next round gathers
-while the current one syncs) or because ``sync_every`` puts and reads or
-``sync_timeout`` seconds have passed (a checkpoint, which also saves the
-metadata).
+through io_uring (or a worker thread where it cannot be used): because a
+caller waits for it (group commit: one ``fdatasync`` serves every waiter of
+a round, and the next round gathers while the current one syncs) or because
+``sync_every`` puts and reads or ``sync_timeout`` seconds have passed (a
+checkpoint, which also saves the metadata).
 
 Reading does not release. A record that was read stays on disk until the
 queue's owner no longer needs it: at every checkpoint the owner's
@@ -507,11 +507,8 @@ class DiskQueue:
         A new segment's directory entry, and a round io_uring does not take,
         are synced in a worker thread.
         """
-        if self._ring is None and not self._ring_refused and not plan.sync_directory:
-            self._ring = uring.open_ring()
-            self._ring_refused = self._ring is None
-        ring = self._ring
-        if ring is not None and not plan.sync_directory:
+        ring = None if plan.sync_directory else self._commit_ring()
+        if ring is not None:
             try:
                 ring.submit(plan.fds, plan.generation)
             except OSError as exc:  # nothing is in flight: worker threads from now on
@@ -528,6 +525,13 @@ class DiskQueue:
                 self._settle(plan, commit, target, error)
                 return
         await self._sync_in_thread(plan, commit, target)
+
+    def _commit_ring(self) -> uring.SyncRing | None:
+        """The queue's io_uring, opened at its first use; None where io_uring cannot be used."""
+        if self._ring is None and not self._ring_refused:
+            self._ring = uring.open_ring()
+            self._ring_refused = self._ring is None
+        return self._ring
 
     async def _sync_in_thread(self, plan: sync.SyncPlan, commit: _CommitRound, target: int) -> None:
         """Run the plan in a worker thread; the waiters are released the moment it returns.

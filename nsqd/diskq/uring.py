@@ -71,8 +71,9 @@ class SyncRing:
     Owned by one task; :meth:`close` only once nothing is in flight.
     """
 
-    def __init__(self, syscall) -> None:
-        self._syscall = syscall
+    def __init__(self, libc: ctypes.CDLL) -> None:
+        self._libc = libc
+        self._syscall = syscall = libc.syscall
         params = _Params()
         ring = syscall(_SYS_SETUP, ENTRIES, ctypes.byref(params))
         if ring < 0:
@@ -109,7 +110,7 @@ class SyncRing:
 
     def _map(self, size: int, offset: int):
         """Map a part of the ring (with libc's mmap: Python's would keep a duplicate descriptor)."""
-        address = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, self._ring, offset)
+        address = self._libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, self._ring, offset)
         if address in (None, ctypes.c_void_p(-1).value):
             raise _last_error("mmap")
         self._maps.append((address, size))
@@ -171,7 +172,7 @@ class SyncRing:
 
     def _release(self) -> None:
         for address, size in self._maps:
-            _libc.munmap(ctypes.c_void_p(address), ctypes.c_size_t(size))
+            self._libc.munmap(ctypes.c_void_p(address), ctypes.c_size_t(size))
         self._maps = []
         os.close(self._ring)
         if self.fileno >= 0:
@@ -191,7 +192,7 @@ def open_ring() -> SyncRing | None:
         except (OSError, AttributeError):
             return None
     try:
-        return SyncRing(_libc.syscall)
+        return SyncRing(_libc)
     except OSError:
         return None
 
