@@ -9,9 +9,9 @@ Modes (``--mode``):
 
 * ``pub``      writers send synchronous MPUBs (``--batch`` x ``--size`` bytes;
                ``--batch 1`` sends single PUBs) and wait for ``OK``, for
-               ``--duration`` seconds (a writer process sends on all its
-               connections, then reads all their OKs: ``--writers 100`` is
-               100 publishers waiting for their confirmations at once);
+               ``--duration`` seconds; each connection publishes again as
+               soon as its own OK arrives, as bench_writer's goroutines do
+               (``--writers 100`` is 100 independent publishers);
 * ``sub``      readers on one channel with ``RDY --rdy`` FIN every message,
                until ``--count`` messages or ``--duration``;
 * ``both``     writers and readers at once (own topic);
@@ -262,6 +262,16 @@ class Conn:
                     return ftype, data
             self.buf += self.recv()
 
+    def take_frame(self) -> tuple[int | None, bytes]:
+        """The next frame already received, or ``(None, b"")`` (never reads the socket)."""
+        buf = self.buf
+        if len(buf) >= 8:
+            size, ftype = HDR.unpack_from(buf)
+            if len(buf) >= 4 + size:
+                self.buf = buf[4 + size:]
+                return ftype, buf[8:4 + size]
+        return None, b""
+
     def response(self) -> bytes:
         """The next response frame, answering heartbeats on the way."""
         while True:
@@ -301,47 +311,30 @@ def io_totals(conns) -> tuple:
 
 # ---------------------------------------------------------------- workers
 def pub_worker(spec: dict, start, results) -> None:
-    """Synchronous MPUB on each connection in turn, as bench_writer's pubWorker."""
+    """Synchronous MPUB (or PUB) publishers, each independent, as bench_writer's pubWorker goroutines.
+
+    In latency mode (``rate``) the writer instead paces rounds: a send on
+    every connection, then every OK.
+    """
     try:
         address, topic, batch, size = spec["address"], spec["topic"], spec["batch"], spec["size"]
         conns = [Conn(address, "writer", spec["features"]) for _ in range(spec["conns"])]
-        sends = [c.send for c in conns]  # the socket's sendall on a plain connection
         rate, limit = spec["rate"], spec["limit"]
         if spec["body"] == "random":  # distinct bodies, no repeat within a compressor's window
             payloads = [mpub(topic, [os.urandom(size) for _ in range(batch)])
                         for _ in range(max(4, -(-256 * 1024 // (batch * size))))]
-        elif batch == 1 and not rate:
+        elif batch == 1:
             payloads = [command("PUB", topic, body=b"x" * size)]
         else:
             payloads = [mpub(topic, [b"x" * size] * batch)]
-        payload, turn = payloads[0], 0
-        if rate:  # latency mode: the body starts with the send time (CLOCK_MONOTONIC, ns)
-            prefix = f"MPUB {topic}\n".encode() + U32.pack(4 + batch * (4 + size)) + U32.pack(batch)
-            item_head, pad = U32.pack(size), b"x" * (size - 8)
-            interval = batch * len(conns) / rate
         results.put(("ready", spec["id"], None))
         start.wait()
         cpu0, t0 = time.process_time(), time.monotonic()
         end = t0 + spec["duration"]
-        sent = rounds = 0
-        while True:
-            if rate:
-                due = t0 + rounds * interval
-                now = time.monotonic()
-                if due > now:
-                    time.sleep(due - now)
-                payload = prefix + (item_head + I64.pack(time.monotonic_ns()) + pad) * batch
-            elif len(payloads) > 1:
-                turn += 1
-                payload = payloads[turn % len(payloads)]
-            for send in sends:
-                send(payload)
-            for conn in conns:
-                conn.expect_ok("MPUB")
-            rounds += 1
-            sent += batch * len(conns)
-            if time.monotonic() >= end or (limit and sent >= limit):
-                break
+        if rate:
+            sent = publish_paced(conns, topic, batch, size, rate, t0, end, limit)
+        else:
+            sent = publish_independently(conns, payloads, batch, end, limit)
         t1 = time.monotonic()
         for conn in conns:
             conn.close()
@@ -349,6 +342,75 @@ def pub_worker(spec: dict, start, results) -> None:
                                           "cpu": time.process_time() - cpu0, "io": io_totals(conns)}))
     except BaseException:
         results.put(("error", spec["id"], traceback.format_exc()))
+
+
+def publish_paced(conns, topic: str, batch: int, size: int, rate: float, t0: float, end: float,
+                  limit: int) -> int:
+    """Latency mode: rounds at ``rate``, each body starting with its send time (CLOCK_MONOTONIC, ns)."""
+    prefix = f"MPUB {topic}\n".encode() + U32.pack(4 + batch * (4 + size)) + U32.pack(batch)
+    item_head, pad = U32.pack(size), b"x" * (size - 8)
+    interval = batch * len(conns) / rate
+    sent = rounds = 0
+    while True:
+        due = t0 + rounds * interval
+        now = time.monotonic()
+        if due > now:
+            time.sleep(due - now)
+        payload = prefix + (item_head + I64.pack(time.monotonic_ns()) + pad) * batch
+        for conn in conns:
+            conn.send(payload)
+        for conn in conns:
+            conn.expect_ok("MPUB")
+        rounds += 1
+        sent += batch * len(conns)
+        if time.monotonic() >= end or (limit and sent >= limit):
+            return sent
+
+
+def publish_independently(conns, payloads: list[bytes], batch: int, end: float, limit: int) -> int:
+    """Each connection publishes again as soon as its own OK arrives.
+
+    One epoll wait serves every connection whose answer came in; returns the
+    messages confirmed. After ``end`` (or ``limit``) nothing more is sent
+    and the outstanding answers are read.
+    """
+    selector = selectors.DefaultSelector()
+    by_fd = {}
+    turn = 0
+    for conn in conns:
+        selector.register(conn.sock, selectors.EVENT_READ)
+        by_fd[conn.sock.fileno()] = conn
+        conn.send(payloads[turn % len(payloads)])
+        turn += 1
+    waiting, confirmed, sending = len(conns), 0, True
+    try:
+        while waiting:
+            events = selector.select(timeout=30)
+            if not events:
+                raise BenchError(f"no answer from nsqd in 30 s ({waiting} publishes outstanding)")
+            for key, _ in events:
+                conn = by_fd[key.fd]
+                conn.buf += conn.recv()
+                while True:
+                    ftype, data = conn.take_frame()
+                    if ftype is None:
+                        break
+                    if ftype == FRAME_RESPONSE and data == HEARTBEAT:
+                        conn.send(b"NOP\n")
+                        continue
+                    if ftype != FRAME_RESPONSE or data != b"OK":
+                        raise BenchError(f"publish: expected OK, got {data[:80]!r}")
+                    confirmed += batch
+                    if sending and (time.monotonic() >= end or (limit and confirmed + waiting * batch > limit)):
+                        sending = False
+                    if sending:
+                        conn.send(payloads[turn % len(payloads)])
+                        turn += 1
+                    else:
+                        waiting -= 1
+    finally:
+        selector.close()
+    return confirmed
 
 
 def sub_worker(spec: dict, start, results, counters, target) -> None:
