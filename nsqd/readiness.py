@@ -35,13 +35,13 @@ _EVENTS = getattr(select, "EPOLLIN", 0) | getattr(select, "EPOLLRDHUP", 0) | get
 #: the peer hung up or the socket failed: every later wait returns at once
 _ENDED = getattr(select, "EPOLLRDHUP", 0) | getattr(select, "EPOLLHUP", 0) | getattr(select, "EPOLLERR", 0)
 #: edges handed out per pass; the rest wait for the next pass, after other tasks ran
-MAX_EDGES = 256
+MAX_EDGES = 128
 
 
 class Watch:
     """A connection's readiness: marked by the hub, waited on by the connection's reader."""
 
-    __slots__ = ("fd", "ready", "ended", "task", "inline")
+    __slots__ = ("fd", "ready", "ended", "task", "inline", "error")
 
     def __init__(self, fd: int, inline: Callable[[], bool] | None = None) -> None:
         self.fd = fd
@@ -53,6 +53,13 @@ class Watch:
         self.task: trio.lowlevel.Task | None = None
         #: serves an edge for the parked reader in the hub's task; True: served, the reader stays parked
         self.inline = inline
+        #: what the inline callback raised: the reader's wait raises it (the connection fails, not the hub)
+        self.error: Exception | None = None
+
+    def fail(self, error: Exception) -> None:
+        """Wake the reader with ``error``, which its wait raises."""
+        self.error = error
+        self.wake()
 
     def wake(self) -> None:
         """Wake the parked reader (or have its next wait return at once)."""
@@ -68,14 +75,17 @@ class Watch:
         if self.ready or self.ended:
             self.ready = False
             await trio.lowlevel.checkpoint()
-            return
-        self.task = trio.lowlevel.current_task()
+        else:
+            self.task = trio.lowlevel.current_task()
 
-        def abort(_: object) -> trio.lowlevel.Abort:
-            self.task = None
-            return trio.lowlevel.Abort.SUCCEEDED
+            def abort(_: object) -> trio.lowlevel.Abort:
+                self.task = None
+                return trio.lowlevel.Abort.SUCCEEDED
 
-        await trio.lowlevel.wait_task_rescheduled(abort)
+            await trio.lowlevel.wait_task_rescheduled(abort)
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
 
 
 class _TrioWatch(Watch):
@@ -144,8 +154,8 @@ class ReadinessHub:
                         try:
                             if watch.inline():
                                 continue
-                        except Exception:  # a bug in one connection: its reader takes over
-                            log.exception("inline read failed", fd=fd)
+                        except Exception as exc:  # a bug in one connection: it fails, the hub goes on
+                            watch.error = exc
                         if watch.task is None:  # the callback woke the reader itself
                             continue
                     watch.task = None

@@ -394,7 +394,13 @@ class Connection:
             item.error = error
         self._confirming -= 1
         if not self._confirming:
-            self._release_held()
+            try:
+                self._release_held()
+            except Exception as exc:  # a bug: this connection fails, not the commit task
+                if self._confirmed is not None:
+                    self._confirmed.set()
+                if not self._gone:
+                    self._watch.fail(exc)
 
     def _release_held(self) -> None:
         """Every held publish settled: queue the answers in order and write them.

@@ -92,6 +92,7 @@ async def connection_on_socketpair(nsqd, nursery, hub):
             await connection.run(b"")
 
     nursery.start_soon(serve)
+    await trio.testing.wait_all_tasks_blocked()  # the reader is parked: the hub serves what comes
     try:
         yield connection, ours, peer, scope
     finally:
@@ -142,13 +143,18 @@ async def test_a_confirmation_after_its_connection_ended_touches_no_socket(tmp_p
 
     monkeypatch.setattr(queue_module.DiskQueue, "_sync", held_sync)
     async with running_nsqd(tmp_path, durable=True) as nsqd, trio.open_nursery() as nursery:
+        nsqd.declare("t")
         hub = ReadinessHub()
         await nursery.start(hub.run)
         async with connection_on_socketpair(nsqd, nursery, hub) as (connection, ours, peer, scope):
             await peer.send(pub("t", b"unconfirmed"))
-            with trio.fail_after(5):
-                await syncing.wait()
-            assert connection.protocol.held  # the answer waits for the commit
+            try:
+                with trio.fail_after(5):
+                    await syncing.wait()
+                assert connection.protocol.held  # served in the hub: the answer waits for the commit
+            except BaseException:
+                release.set()  # the commit is shielded: let it finish, or the daemon never stops
+                raise
             scope.cancel()
             await trio.testing.wait_all_tasks_blocked()
             number = ours.fileno()
@@ -166,6 +172,7 @@ async def test_a_confirmation_after_its_connection_ended_touches_no_socket(tmp_p
                 with pytest.raises(BlockingIOError):
                     sock.recv(100)
         finally:
+            release.set()
             reused.close()
             other_end.close()
         nursery.cancel_scope.cancel()
