@@ -18,6 +18,7 @@ Lifecycle::
 
 from __future__ import annotations
 
+import gc
 import signal
 from contextlib import contextmanager
 from functools import partial
@@ -120,6 +121,15 @@ def _listening(kind: str, addresses: list[tuple[str, int]]) -> None:
         log.info(f"{kind}: listening on {join_host_port(host, port)}")
 
 
+#: the garbage collector's thresholds while the daemon runs. A single PUB and
+#: its answer allocate a few dozen container objects, so Python's default
+#: (700, 10, 10) ran a young collection every couple of dozen PUBs; with
+#: 10,000 a collection looks at more objects but at fewer survivors each
+#: time. Durable single PUBs from 100 publishers: 31.9-32.5 -> 29.9-30.8
+#: us of daemon CPU each; MPUB rates and the RSS of a 200k backlog unchanged.
+GC_THRESHOLDS = (10_000, 20, 20)
+
+
 def run(options: Options) -> int:
     """Run the daemon until SIGINT or SIGTERM; returns the exit status."""
 
@@ -141,6 +151,8 @@ def run(options: Options) -> int:
             nursery.cancel_scope.cancel()
 
     failures: list[BaseException] = []
+    gc.freeze()  # what start-up made (modules, options) lives as long as the process: never scan it again
+    gc.set_threshold(*GC_THRESHOLDS)
     try:
         trio.run(main)
     except* (OSError, MetadataError) as group:  # a port in use, an unusable nsqd.dat: one line, as Go
