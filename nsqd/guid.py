@@ -27,6 +27,8 @@ class GUIDFactory:
     def new_ids(self, count: int) -> list[bytes]:
         start = max(self._next, self._clock())
         self._next = stop = start + count
+        if count == 1:  # a single PUB
+            return [b"%016x" % start]
         # consecutive ids share all but their last two hex digits: format the
         # shared prefix once per 256 ids and append the digits from a table
         ids: list[bytes] = []

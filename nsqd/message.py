@@ -57,6 +57,8 @@ def encode_frames(ids: list[bytes], bodies, timestamp_ns: int) -> list[bytes]:
     body once, straight into its frame.
     """
     join = b"".join
+    if len(bodies) == 1:  # a single PUB
+        return [join((encode_header(len(bodies[0]), timestamp_ns), ids[0], bodies[0]))]
     sizes = list(map(len, bodies))
     if sizes and sizes.count(sizes[0]) == len(sizes):  # one size (the usual batch): joined in C
         return list(map(join, zip(repeat(encode_header(sizes[0], timestamp_ns)), ids, bodies)))

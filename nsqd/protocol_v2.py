@@ -196,14 +196,13 @@ class V2Parser:
         """What nsqd checks in a body command's line before it reads the body, in its order."""
         if name == b"IDENTIFY":
             return None
-        cmd = name.decode()
         if name == b"AUTH":
             return ("E_INVALID", "AUTH invalid number of parameters") if len(params) != 1 else None
         if len(params) < (3 if name == b"DPUB" else 2):
-            return "E_INVALID", f"{cmd} insufficient number of parameters"
+            return "E_INVALID", f"{name.decode()} insufficient number of parameters"
         topic = params[1].decode(errors="replace")
         if not is_valid_topic_name(topic):
-            return "E_BAD_TOPIC", f"{cmd} topic name {_go_quote(topic)} is not valid"
+            return "E_BAD_TOPIC", f"{name.decode()} topic name {_go_quote(topic)} is not valid"
         if name == b"DPUB":
             try:
                 timeout_ms = go_base10(params[2], "DPUB could not parse timeout")
@@ -214,13 +213,13 @@ class V2Parser:
         return None
 
     def _check_body_size(self, name: bytes, size: int) -> tuple[str, str] | None:
-        cmd = name.decode()
-        if name in (b"PUB", b"DPUB"):
+        if name == b"PUB" or name == b"DPUB":
+            if 0 < size <= self.max_msg_size:
+                return None
             if size <= 0:
-                return "E_BAD_MESSAGE", f"{cmd} invalid message body size {size}"
-            if size > self.max_msg_size:
-                return "E_BAD_MESSAGE", f"{cmd} message too big {size} > {self.max_msg_size}"
-            return None
+                return "E_BAD_MESSAGE", f"{name.decode()} invalid message body size {size}"
+            return "E_BAD_MESSAGE", f"{name.decode()} message too big {size} > {self.max_msg_size}"
+        cmd = name.decode()
         limit = min(self.max_body_size, MAX_IDENTIFY_BODY) if name == b"IDENTIFY" else self.max_body_size
         if size > limit:
             return "E_BAD_BODY", f"{cmd} body too big {size} > {limit}"

@@ -439,7 +439,8 @@ class Connection:
             return True
         client = self.client
         out = client.out
-        client.fill(self.nsqd.now_ns())
+        if client.sub is not None:
+            client.fill(self.nsqd.now_ns())
         if not out:
             self._held_since = None
             return True
