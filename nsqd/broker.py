@@ -118,6 +118,13 @@ class Receipt:
         if not queues:
             callback(None)
             return
+        if len(queues) == 1:  # the usual case: one topic or channel queue
+            settled_one = partial(_settled_one, queues[0], callback)
+            try:
+                queues[0].on_durable(settled_one)
+            except diskq.DiskQueueError as exc:
+                settled_one(exc)
+            return
         outstanding = [len(queues), None]
 
         def settled(queue, error: diskq.DiskQueueError | None) -> None:
@@ -132,6 +139,10 @@ class Receipt:
                 queue.on_durable(partial(settled, queue))
             except diskq.DiskQueueError as exc:
                 settled(queue, exc)
+
+
+def _settled_one(queue, callback: Callable[[PublishError | None], None], error: diskq.DiskQueueError | None) -> None:
+    callback(None if error is None or queue.closed else PublishError(f"not durable: {error}", kind="storage"))
 
 
 class Broker:

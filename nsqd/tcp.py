@@ -383,7 +383,12 @@ class Connection:
 
     def _await_confirmations(self) -> None:
         """Have the held answers released as their durable publishes settle (see :meth:`_release_held`)."""
-        held = [item for item in self.protocol.held if type(item) is Unconfirmed]
+        held = self.protocol.held
+        if len(held) == 1:  # one durable publish (the first held item is always one)
+            self._confirming = 1
+            held[0].receipt.on_settled(partial(self._publish_settled, held[0]))
+            return
+        held = [item for item in held if type(item) is Unconfirmed]
         self._confirming = len(held) + 1  # + 1: callbacks that run at once do not release early
         for item in held:
             item.receipt.on_settled(partial(self._publish_settled, item))
