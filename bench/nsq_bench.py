@@ -254,12 +254,11 @@ class Conn:
 
     # -- frames
     def frame(self) -> tuple[int, bytes]:
+        """The next frame, reading the socket until it is whole."""
         while True:
-            if len(self.buf) >= 8:
-                size, ftype = HDR.unpack_from(self.buf)
-                if len(self.buf) >= 4 + size:
-                    data, self.buf = self.buf[8:4 + size], self.buf[4 + size:]
-                    return ftype, data
+            ftype, data = self.take_frame()
+            if ftype is not None:
+                return ftype, data
             self.buf += self.recv()
 
     def take_frame(self) -> tuple[int | None, bytes]:
