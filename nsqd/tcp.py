@@ -210,7 +210,10 @@ class Connection:
         self._read_deadline = math.inf
         #: when the parked pump wakes by itself (-inf while it runs: it looks at the deadline anyway)
         self._pump_wake_at = -math.inf
-        client.on_wake = self._lot.unpark_all
+        #: a wake-up that came while the pump was not parked (busy, or not yet started): it must
+        #: not wait for the next one (a consumer's SUB and RDY in one read, then its backlog moved)
+        self._woken = False
+        client.on_wake = self._wake_pump
 
     async def run(self, initial: bytes) -> None:
         log.info("client connected", client=self.client.remote_address, id=self.client.id)
@@ -227,6 +230,10 @@ class Connection:
             self.client.on_wake = _noop
             self.protocol.parser.clear()
             log.info("client gone", client=self.client.remote_address, id=self.client.id)
+
+    def _wake_pump(self) -> None:
+        self._woken = True
+        self._lot.unpark_all()
 
     async def _read_loop(self, data: bytes) -> None:
         protocol = self.protocol
@@ -324,8 +331,10 @@ class Connection:
             if self._held_since is not None:  # messages wait in the output buffer: send them by then
                 wake_at = min(wake_at, self._held_since + client.output_buffer_timeout_ns / 1e9)
             self._pump_wake_at = wake_at = min(wake_at, self._read_deadline)
-            with trio.move_on_at(wake_at):
-                await self._lot.park()
+            if not self._woken:
+                with trio.move_on_at(wake_at):
+                    await self._lot.park()
+            self._woken = False
             self._pump_wake_at = -math.inf
             now = trio.current_time()
             if now >= self._read_deadline:

@@ -3,6 +3,7 @@
 import signal
 import time
 
+import pytest
 import trio
 
 from .conftest import HTTPClient
@@ -179,3 +180,23 @@ async def test_a_durable_publish_to_a_new_topic_or_channel_is_confirmed(tmp_path
         await consumer.command("RDY 1")
         assert (await consumer.read_message()).body == b"d"
         assert nsqd.topics["fresh"].depth == 2
+
+
+@pytest.mark.parametrize("flags", [{"durable": True}, {"mem_queue_size": 0}])
+async def test_a_consumer_that_subscribes_and_sets_rdy_in_one_write_gets_the_backlog_at_once(tmp_path, flags):
+    """SUB and RDY in one write: the topic's disk backlog is moved after RDY found the channel empty.
+
+    The move wakes the connection's pump, which may not have run yet; it must
+    still deliver, not wait for the next heartbeat (30 s).
+    """
+    async with running_nsqd(tmp_path, **flags) as nsqd:
+        publisher = await NSQConnection.open(tcp_port(nsqd))
+        for round_ in range(20):
+            topic = f"backlog{round_}"
+            await publisher.pub(topic, b"m%d" % round_)  # no channel yet: the topic's own disk queue
+            consumer = NSQConnection(await trio.open_tcp_stream("127.0.0.1", tcp_port(nsqd)))
+            await consumer.send(b"  V2" + f"SUB {topic} c\nRDY 1\n".encode())
+            await consumer.expect_response()
+            msg = await consumer.read_message(timeout=3)
+            assert msg.body == b"m%d" % round_, round_
+            await consumer.close()
