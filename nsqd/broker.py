@@ -107,6 +107,43 @@ class Receipt:
                 raise PublishError(f"not durable: {exc}", kind="storage") from None
         self.queues = []
 
+    def on_settled(self, callback: Callable[[PublishError | None], None]) -> None:
+        """Call ``callback`` once the messages are fsynced (None) or could not be (the error).
+
+        :meth:`wait` for a caller that is not a task: it runs in a disk
+        queue's commit task (at once if nothing waits to be synced) and must
+        not raise.
+        """
+        queues, self.queues = [q for q in self.queues if not q.closed], []
+        if not queues:
+            callback(None)
+            return
+        if len(queues) == 1:  # the usual case: one topic or channel queue
+            settled_one = partial(_settled_one, queues[0], callback)
+            try:
+                queues[0].on_durable(settled_one)
+            except diskq.DiskQueueError as exc:
+                settled_one(exc)
+            return
+        outstanding = [len(queues), None]
+
+        def settled(queue, error: diskq.DiskQueueError | None) -> None:
+            if error is not None and not queue.closed and outstanding[1] is None:
+                outstanding[1] = PublishError(f"not durable: {error}", kind="storage")
+            outstanding[0] -= 1
+            if not outstanding[0]:
+                callback(outstanding[1])
+
+        for queue in queues:
+            try:
+                queue.on_durable(partial(settled, queue))
+            except diskq.DiskQueueError as exc:
+                settled(queue, exc)
+
+
+def _settled_one(queue, callback: Callable[[PublishError | None], None], error: diskq.DiskQueueError | None) -> None:
+    callback(None if error is None or queue.closed else PublishError(f"not durable: {error}", kind="storage"))
+
 
 class Broker:
     def __init__(self, options: Options) -> None:

@@ -86,12 +86,14 @@ class AuthRefresh(Exception):
 class Unconfirmed:
     """The answer to a publish that waits for its receipt (a durable publish): OK once fsynced."""
 
-    __slots__ = ("receipt", "command", "topic")
+    __slots__ = ("receipt", "command", "topic", "error")
 
     def __init__(self, receipt: Receipt, command: str, topic: str) -> None:
         self.receipt = receipt
         self.command = command
         self.topic = topic
+        #: why the receipt failed, once it settled (None: confirmed, or not settled yet)
+        self.error: PublishError | None = None
 
 
 class V2Parser:

@@ -7,9 +7,12 @@ message at a time. Here each connection's socket is registered once,
 edge-triggered, and one task waits on this epoll for all of them; a wake-up
 covers every connection that became readable since the last one.
 
-An edge either wakes the connection's parked reader or, when none is
-parked, marks the connection ready, so the next :meth:`Watch.wait` returns
-at once. The reader reads after every wake-up, and data that arrives after
+An edge goes to the connection's parked reader: first to its ``inline``
+callback, if it has one, which may serve the socket right here, in the
+hub's task, and leave the reader parked (a single PUB and its answer, with
+no task switch); else the reader is woken. When no reader is parked the
+edge marks the connection ready, so the next :meth:`Watch.wait` returns at
+once. The reader reads after every wake-up, and data that arrives after
 an edge was handed out raises a new edge, so none is missed; a stale mark
 (its data already read) costs one read that finds nothing. A hang-up or an
 error is remembered for good: a read that returns data leaves the end of the
@@ -21,20 +24,26 @@ stream behind it, and no later edge would announce it. Where
 from __future__ import annotations
 
 import select
+from collections.abc import Callable
 
+import structlog
 import trio
+
+log = structlog.get_logger("nsqd.readiness")
 
 _EVENTS = getattr(select, "EPOLLIN", 0) | getattr(select, "EPOLLRDHUP", 0) | getattr(select, "EPOLLET", 0)
 #: the peer hung up or the socket failed: every later wait returns at once
 _ENDED = getattr(select, "EPOLLRDHUP", 0) | getattr(select, "EPOLLHUP", 0) | getattr(select, "EPOLLERR", 0)
+#: edges handed out per pass; the rest wait for the next pass, after other tasks ran
+MAX_EDGES = 128
 
 
 class Watch:
     """A connection's readiness: marked by the hub, waited on by the connection's reader."""
 
-    __slots__ = ("fd", "ready", "ended", "task")
+    __slots__ = ("fd", "ready", "ended", "task", "inline", "error")
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, inline: Callable[[], bool] | None = None) -> None:
         self.fd = fd
         #: an edge came while no reader was parked
         self.ready = False
@@ -42,20 +51,41 @@ class Watch:
         self.ended = False
         #: the reader parked in :meth:`wait`, if any
         self.task: trio.lowlevel.Task | None = None
+        #: serves an edge for the parked reader in the hub's task; True: served, the reader stays parked
+        self.inline = inline
+        #: what the inline callback raised: the reader's wait raises it (the connection fails, not the hub)
+        self.error: Exception | None = None
+
+    def fail(self, error: Exception) -> None:
+        """Wake the reader with ``error``, which its wait raises."""
+        self.error = error
+        self.wake()
+
+    def wake(self) -> None:
+        """Wake the parked reader (or have its next wait return at once)."""
+        task = self.task
+        if task is None:
+            self.ready = True
+        else:
+            self.task = None
+            trio.lowlevel.reschedule(task)
 
     async def wait(self) -> None:
         """Until the socket may have something to read (at once if an edge came meanwhile)."""
         if self.ready or self.ended:
             self.ready = False
             await trio.lowlevel.checkpoint()
-            return
-        self.task = trio.lowlevel.current_task()
+        else:
+            self.task = trio.lowlevel.current_task()
 
-        def abort(_: object) -> trio.lowlevel.Abort:
-            self.task = None
-            return trio.lowlevel.Abort.SUCCEEDED
+            def abort(_: object) -> trio.lowlevel.Abort:
+                self.task = None
+                return trio.lowlevel.Abort.SUCCEEDED
 
-        await trio.lowlevel.wait_task_rescheduled(abort)
+            await trio.lowlevel.wait_task_rescheduled(abort)
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
 
 
 class _TrioWatch(Watch):
@@ -79,14 +109,15 @@ class ReadinessHub:
         self._epoll = select.epoll() if hasattr(select, "epoll") else None
         self._watches: dict[int, Watch] = {}
 
-    def watch(self, fd: int) -> Watch:
+    def watch(self, fd: int, inline: Callable[[], bool] | None = None) -> Watch:
+        """Register a socket; ``inline`` (never called for a :class:`_TrioWatch`) may serve its edges."""
         if self._epoll is None:
             return _TrioWatch(fd)
         try:
             self._epoll.register(fd, _EVENTS)
         except OSError:  # out of epoll watches (fs.epoll.max_user_watches): Trio's own wait still works
             return _TrioWatch(fd)
-        watch = self._watches[fd] = Watch(fd)
+        watch = self._watches[fd] = Watch(fd, inline)
         return watch
 
     def forget(self, watch: Watch) -> None:
@@ -109,7 +140,7 @@ class ReadinessHub:
             task_status.started()
             while True:
                 await trio.lowlevel.wait_readable(epoll.fileno())
-                for fd, events in epoll.poll(0):
+                for fd, events in epoll.poll(0, MAX_EDGES):
                     watch = watches.get(fd)
                     if watch is None:
                         continue
@@ -118,8 +149,16 @@ class ReadinessHub:
                     task = watch.task
                     if task is None:
                         watch.ready = True
-                    else:
-                        watch.task = None
-                        reschedule(task)
+                        continue
+                    if watch.inline is not None and not watch.ended:
+                        try:
+                            if watch.inline():
+                                continue
+                        except Exception as exc:  # a bug in one connection: it fails, the hub goes on
+                            watch.error = exc
+                        if watch.task is None:  # the callback woke the reader itself
+                            continue
+                    watch.task = None
+                    reschedule(task)
         finally:
             epoll.close()

@@ -27,6 +27,19 @@ every wait. That saves the read that finds nothing and the ``epoll_ctl``
 (two of the five system calls of a request and its answer) and most of the
 Python around the other reads and writes.
 
+Most requests never wake the reader task. While it is parked waiting for
+the client, the hub hands the connection's edges to :meth:`Connection._serve_inline`,
+which reads, runs the commands (the protocol is sans-I/O) and writes the
+answers in one pass, in the hub's task; a durable publish's answer is
+written by :meth:`Connection._release_held`, which the disk queue's commit
+task calls as the round settles. Anything else is the reader task's job,
+and the inline path hands it over: a read that fills the buffer or ends
+the stream, a step that needs I/O (TLS, compression, AUTH), commands left
+for a later step, a fatal error, a write the socket does not take whole,
+or a consumer's held messages. Single PUBs from 100 publishers: 29.9 →
+21.6 µs of daemon CPU a message, and a durable one no longer waits for a
+task to be scheduled twice.
+
 Deadlines, as nsqd's: a whole command, line and body, must arrive within two
 heartbeat intervals of the previous one completing (the clock does not
 restart on every byte, so a body trickled in a byte at a time is cut off and
@@ -47,6 +60,7 @@ from __future__ import annotations
 import math
 import os
 import ssl
+from functools import partial
 from typing import TYPE_CHECKING
 
 import structlog
@@ -73,6 +87,8 @@ _RECEIVE_BUFFER = bytearray(RECEIVE_SIZE)
 MAGIC_TIMEOUT = 10.0
 _BAD_PROTOCOL = message.encode_error(b"E_BAD_PROTOCOL")
 _OK = message.encode_response(b"OK")
+#: what the inline path hands the reader when it already ran the commands it read
+_PROCESSED = memoryview(b"processed")
 
 
 async def hang_up(stream: trio.SocketStream, linger: float = LINGER) -> None:
@@ -195,7 +211,19 @@ class Connection:
         self._plain_fd = stream.socket.fileno() if type(stream) is trio.SocketStream else -1
         self._hub = hub
         #: the plain socket's readiness, from the hub (None once TLS or compression wraps it)
-        self._watch = hub.watch(self._plain_fd) if self._plain_fd >= 0 else None
+        self._watch = hub.watch(self._plain_fd, self._serve_inline) if self._plain_fd >= 0 else None
+        #: what the inline path left for the reader task: bytes it read, or _PROCESSED
+        self._handoff: bytes | memoryview | None = None
+        #: durable publishes the inline path waits for (their answers are held in the protocol)
+        self._confirming = 0
+        #: set when the last of them settles, made when the reader has to wait for that
+        self._confirmed: trio.Event | None = None
+        #: the client sent more while the inline path waited for confirmations
+        self._edge_while_confirming = False
+        #: the connection ended: late confirmations must not touch its (maybe reused) descriptor
+        self._gone = False
+        #: when the last command was complete (the read deadline counts from it)
+        self._last_command = 0.0
         #: the last read found nothing: wait for the socket before reading
         self._wait_first = True
         self.client = client
@@ -226,6 +254,7 @@ class Connection:
                 finally:
                     nursery.cancel_scope.cancel()
         finally:
+            self._gone = True
             self._unwatch()
             self.client.on_wake = _noop
             self.protocol.parser.clear()
@@ -235,14 +264,15 @@ class Connection:
         self._woken = True
         self._lot.unpark_all()
 
-    async def _read_loop(self, data: bytes) -> None:
+    async def _read_loop(self, data: bytes | memoryview) -> None:
         protocol = self.protocol
         parser = protocol.parser
-        last_command = trio.current_time()
+        self._last_command = trio.current_time()
         while True:
             if data:
                 parsed = parser.parsed
-                protocol.receive_data(data, self.nsqd.now_ns())
+                if data is not _PROCESSED:
+                    protocol.receive_data(data, self.nsqd.now_ns())
                 while True:
                     if protocol.held:
                         await self._confirm()
@@ -261,10 +291,8 @@ class Connection:
                 if protocol.closed:
                     return
                 if parser.parsed != parsed:
-                    last_command = trio.current_time()
-            self._read_deadline = deadline = last_command + self._command_time()
-            if deadline < self._pump_wake_at:
-                self._lot.unpark_all()
+                    self._last_command = trio.current_time()
+            self._expect_command()
             data = await self._receive()
             self._read_deadline = math.inf
             if not data:
@@ -282,7 +310,10 @@ class Connection:
         if fd < 0:
             return await self.stream.receive_some(RECEIVE_SIZE)  # TLS or compression
         if self._wait_first:
-            await self._watch.wait()
+            await self._wait_readable()
+            if self._handoff is not None:
+                data, self._handoff = self._handoff, None
+                return data
         else:
             await trio.lowlevel.checkpoint()
         buffer = _RECEIVE_BUFFER
@@ -291,13 +322,155 @@ class Connection:
                 count = os.readv(fd, (buffer,))
             except BlockingIOError:
                 self._wait_first = True
-                await self._watch.wait()
+                await self._wait_readable()
+                if self._handoff is not None:
+                    data, self._handoff = self._handoff, None
+                    return data
                 continue
             except OSError as exc:
                 raise trio.BrokenResourceError(f"socket read failed: {exc}") from exc
             # a full buffer: more is likely waiting, read again at once next time
             self._wait_first = count < len(buffer)
             return memoryview(buffer)[:count]
+
+    async def _wait_readable(self) -> None:
+        """Park until the hub wakes us; then wait out confirmations the inline path still waits for."""
+        await self._watch.wait()
+        while self._confirming:  # woken by a hang-up: the answers may still go out
+            if self._confirmed is None:
+                self._confirmed = trio.Event()
+            await self._confirmed.wait()
+
+    def _expect_command(self) -> None:
+        """Start the read deadline for the next command (the pump enforces it)."""
+        self._read_deadline = deadline = self._last_command + self._command_time()
+        if deadline < self._pump_wake_at:
+            self._lot.unpark_all()
+
+    def _serve_inline(self) -> bool:
+        """Serve an edge while the reader is parked: read, run the commands, answer; all in one pass.
+
+        Called by the readiness hub, in its task. Returns True when done (the
+        reader stays parked), False to wake the reader for what only it can
+        do, with what was read or run left in ``_handoff``.
+        """
+        if self._confirming:  # the client did not wait for its answer: read once it is written
+            self._edge_while_confirming = True
+            return True
+        protocol = self.protocol
+        if self._handoff is not None or protocol.held or protocol.pending or self._turn.busy or self._plain_fd < 0:
+            return False
+        try:
+            count = os.readv(self._plain_fd, (_RECEIVE_BUFFER,))
+        except BlockingIOError:  # a stale edge
+            return True
+        except OSError:  # the reader reads again and fails itself
+            return False
+        if count == 0 or count == RECEIVE_SIZE:  # the end, or more than one read's worth
+            self._handoff = bytes(memoryview(_RECEIVE_BUFFER)[:count])
+            self._wait_first = count < RECEIVE_SIZE
+            return False
+        parser = protocol.parser
+        parsed = parser.parsed
+        protocol.receive_data(memoryview(_RECEIVE_BUFFER)[:count], self.nsqd.now_ns())
+        if parser.parsed != parsed:
+            self._last_command = trio.current_time()
+        if protocol.pending or protocol.more or protocol.closed:
+            self._handoff = _PROCESSED
+            return False
+        if protocol.held:
+            self._read_deadline = math.inf  # the client waits for us now
+            self._await_confirmations()
+            return True
+        if not self._write_inline():
+            self._handoff = _PROCESSED
+            return False
+        self._expect_command()
+        return True
+
+    def _await_confirmations(self) -> None:
+        """Have the held answers released as their durable publishes settle (see :meth:`_release_held`)."""
+        held = self.protocol.held
+        if len(held) == 1:  # one durable publish (the first held item is always one)
+            self._confirming = 1
+            held[0].receipt.on_settled(partial(self._publish_settled, held[0]))
+            return
+        held = [item for item in held if type(item) is Unconfirmed]
+        self._confirming = len(held) + 1  # + 1: callbacks that run at once do not release early
+        for item in held:
+            item.receipt.on_settled(partial(self._publish_settled, item))
+        self._publish_settled(None, None)
+
+    def _publish_settled(self, item: Unconfirmed | None, error: PublishError | None) -> None:
+        if item is not None:
+            item.error = error
+        self._confirming -= 1
+        if not self._confirming:
+            try:
+                self._release_held()
+            except Exception as exc:  # a bug: this connection fails, not the commit task
+                if self._confirmed is not None:
+                    self._confirmed.set()
+                if not self._gone:
+                    self._watch.fail(exc)
+
+    def _release_held(self) -> None:
+        """Every held publish settled: queue the answers in order and write them.
+
+        Runs in a disk queue's commit task (or the hub's). What cannot be
+        written at once, and a client that sent more meanwhile, is left to
+        the reader task.
+        """
+        protocol = self.protocol
+        held, protocol.held = protocol.held, []
+        self.client.out.extend(
+            protocol.answer(item, None if item.error is None else item.error.reason)
+            if type(item) is Unconfirmed else item for item in held)
+        self.client.flush_now = True
+        if self._confirmed is not None:
+            self._confirmed.set()
+            self._confirmed = None
+        if self._gone:
+            return
+        if not self._write_inline():
+            self._handoff = _PROCESSED
+        elif self._edge_while_confirming:
+            self._edge_while_confirming = False
+        else:
+            self._expect_command()
+            return
+        self._watch.wake()
+
+    def _write_inline(self) -> bool:
+        """Write what is pending with one ``write``; False if the reader task must finish it.
+
+        When the pump or the reader is writing, it sends these frames too
+        (a writer refills before it gives its turn back).
+        """
+        if self._turn.busy:
+            return True
+        client = self.client
+        out = client.out
+        if client.sub is not None:
+            client.fill(self.nsqd.now_ns())
+        if not out:
+            self._held_since = None
+            return True
+        if client.holds_output():
+            return False
+        data = b"".join(out)
+        out.clear()
+        client.flush_now = False
+        self._held_since = None
+        try:
+            sent = _send_now(self._plain_fd, data)
+        except trio.BrokenResourceError:  # the reader's next read finds the end
+            return False
+        if sent < len(data):
+            out.append(data[sent:])
+            client.flush_now = True
+            return False
+        return True
 
     def _unwatch(self) -> None:
         """The socket is no longer read directly (closing, or wrapped by TLS or compression)."""

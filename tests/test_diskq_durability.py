@@ -123,6 +123,73 @@ async def test_waiter_after_a_commit_started_gets_a_later_commit(tmp_path, count
     queue.close()
 
 
+async def test_on_durable_calls_back_from_the_round_or_at_once(tmp_path, counted_syncs):
+    queue = DiskQueue("q", tmp_path)
+    calls = []
+    queue.on_durable(calls.append)  # nothing put: at once
+    assert calls == [None]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(queue.run)
+        queue.put(b"a")
+        queue.on_durable(lambda error: calls.append(("first", error, len(counted_syncs))))
+        queue.on_durable(lambda error: calls.append(("second", error, len(counted_syncs))))
+        assert len(calls) == 1  # not before the round
+        await wait_until(lambda: len(calls) == 3)
+        assert calls[1:] == [("first", None, 1), ("second", None, 1)]  # one fsync served both
+        nursery.cancel_scope.cancel()
+    queue.close()
+
+
+async def test_on_durable_needs_run(tmp_path):
+    queue = DiskQueue("q", tmp_path)
+    queue.put(b"x")
+    with pytest.raises(DiskQueueError, match="needs run"):
+        queue.on_durable(lambda error: None)
+    queue.close()
+
+
+async def test_a_callback_that_raises_does_not_stop_the_commits(tmp_path, counted_syncs):
+    queue = DiskQueue("q", tmp_path)
+    calls = []
+
+    def broken(error):
+        raise RuntimeError("a waiter's bug")
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(queue.run)
+        queue.put(b"a")
+        queue.on_durable(broken)
+        queue.on_durable(calls.append)
+        await wait_until(lambda: calls)
+        queue.put(b"b")
+        await queue.wait_durable()  # the run task goes on committing
+        assert calls == [None] and len(counted_syncs) == 2
+        nursery.cancel_scope.cancel()
+    queue.close()
+
+
+async def test_a_failed_fsync_reaches_the_callbacks(tmp_path, monkeypatch, in_threads):
+    queue = DiskQueue("q", tmp_path)
+    calls = []
+
+    def failing_fdatasync(fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(queue.run)
+        queue.put(b"x")
+        monkeypatch.setattr(os, "fdatasync", failing_fdatasync)
+        queue.on_durable(calls.append)
+        await wait_until(lambda: calls)
+        assert isinstance(calls[0], DiskQueueWriteError) and calls[0].errno == errno.EIO
+        monkeypatch.undo()
+        queue.on_durable(calls.append)  # the next round syncs again
+        await wait_until(lambda: len(calls) == 2)
+        assert calls[1] is None
+        nursery.cancel_scope.cancel()
+    queue.close()
+
+
 async def test_sync_every_triggers_a_checkpoint(tmp_path):
     queue = DiskQueue("q", tmp_path, sync_every=10, sync_timeout=60)
     async with trio.open_nursery() as nursery:

@@ -124,3 +124,94 @@ async def test_a_socket_the_epoll_refuses_waits_with_trio_instead():
         assert ours.recv(10) == b"z"
         hub.forget(second)  # not the hub's: leaves the first registered
         assert hub._watches[ours.fileno()] is first
+
+
+async def test_an_inline_callback_serves_edges_and_leaves_the_reader_parked():
+    async with trio.open_nursery() as nursery:
+        hub = await _hub(nursery)
+        ours, theirs = _pair()
+        served = []
+
+        def inline() -> bool:
+            data = ours.recv(100)
+            served.append(data)
+            return data != b"wake"
+
+        watch = hub.watch(ours.fileno(), inline)
+        woke = trio.Event()
+
+        async def reader():
+            await watch.wait()
+            woke.set()
+
+        nursery.start_soon(reader)
+        await trio.testing.wait_all_tasks_blocked()
+        for data in (b"PUB a\n", b"PUB b\n"):
+            theirs.send(data)
+            with trio.fail_after(2):
+                while data not in served:
+                    await trio.sleep(0.001)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not woke.is_set()  # served in the hub: the reader never ran
+        theirs.send(b"wake")  # the callback hands this one to the reader
+        with trio.fail_after(2):
+            await woke.wait()
+        hub.forget(watch)
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_inline_callback_that_raises_fails_its_reader_and_the_hub_goes_on():
+    async with trio.open_nursery() as nursery:
+        hub = await _hub(nursery)
+        ours, theirs = _pair()
+        other, other_peer = _pair()
+
+        def broken() -> bool:
+            raise RuntimeError("a bug in one connection")
+
+        watch = hub.watch(ours.fileno(), broken)
+        other_watch = hub.watch(other.fileno())
+        woke = []
+
+        async def reader(w, name):
+            try:
+                await w.wait()
+            except RuntimeError as exc:
+                woke.append(f"{name}: {exc}")
+            else:
+                woke.append(name)
+
+        nursery.start_soon(reader, watch, "broken")
+        nursery.start_soon(reader, other_watch, "other")
+        await trio.testing.wait_all_tasks_blocked()
+        theirs.send(b"x")
+        other_peer.send(b"y")
+        with trio.fail_after(2):
+            while len(woke) < 2:
+                await trio.sleep(0.001)
+        assert sorted(woke) == ["broken: a bug in one connection", "other"]
+        hub.forget(watch)
+        hub.forget(other_watch)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_hang_up_wakes_the_reader_without_the_inline_callback():
+    async with trio.open_nursery() as nursery:
+        hub = await _hub(nursery)
+        ours, theirs = _pair()
+        calls = []
+        watch = hub.watch(ours.fileno(), lambda: calls.append(1) or True)
+        woke = trio.Event()
+
+        async def reader():
+            await watch.wait()
+            woke.set()
+
+        nursery.start_soon(reader)
+        await trio.testing.wait_all_tasks_blocked()
+        theirs.close()
+        with trio.fail_after(2):
+            await woke.wait()
+        assert calls == [] and watch.ended
+        hub.forget(watch)
+        nursery.cancel_scope.cancel()

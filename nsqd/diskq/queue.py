@@ -54,18 +54,25 @@ KeptSnapshot = tuple[list[Kept], int]
 
 
 class _CommitRound:
-    """The waiters one fsync will release."""
+    """The waiters one fsync will release: tasks waiting on ``done``, and callbacks."""
 
-    __slots__ = ("done", "error", "waiters")
+    __slots__ = ("done", "error", "waiters", "callbacks")
 
     def __init__(self) -> None:
         self.done = trio.Event()
         self.error: DiskQueueError | None = None
         self.waiters = 0
+        self.callbacks: list[Callable[[DiskQueueError | None], None]] = []
 
     def finish(self, error: DiskQueueError | None) -> None:
         self.error = error
         self.done.set()
+        callbacks, self.callbacks = self.callbacks, []
+        for callback in callbacks:
+            try:
+                callback(error)
+            except Exception:  # a waiter's bug must not stop the queue's commits
+                logger.exception("diskq_durable_callback_failed")
 
 
 class DiskQueue:
@@ -417,19 +424,40 @@ class DiskQueue:
         raises DiskQueueWriteError if the commit that should have covered
         these records failed.
         """
-        target = self._put_count
-        if self._durable_count >= target:
+        commit = self._join_next_commit("wait_durable")
+        if commit is None:
             return
+        await commit.done.wait()
+        if commit.error is not None:
+            raise _copy_for_waiter(commit.error)
+
+    def on_durable(self, callback: Callable[[DiskQueueError | None], None]) -> None:
+        """Call ``callback`` once every record put before this call is on stable storage.
+
+        The callback-style :meth:`wait_durable`, for a waiter that is not a
+        task (a connection answering from its readiness callback): it runs
+        in the :meth:`run` task as the commit round settles, with the
+        round's error or None, and at once if nothing waits to be synced.
+        It must not raise. Raises DiskQueueError as :meth:`wait_durable` does.
+        """
+        commit = self._join_next_commit("on_durable")
+        if commit is None:
+            callback(None)
+        else:
+            commit.callbacks.append(callback)
+
+    def _join_next_commit(self, caller: str) -> _CommitRound | None:
+        """The round that will make every record put so far durable; None if they are already."""
+        if self._durable_count >= self._put_count:
+            return None
         self._check_open()
         if not (self._running or self._run_scheduled):
-            raise DiskQueueError(f"disk queue {self.name!r}: wait_durable() needs run() to be running")
+            raise DiskQueueError(f"disk queue {self.name!r}: {caller}() needs run() to be running")
         commit = self._next_round
         if not commit.waiters:
             self._wakeup.set()
         commit.waiters += 1
-        await commit.done.wait()
-        if commit.error is not None:
-            raise _copy_for_waiter(commit.error)
+        return commit
 
     def run_scheduled(self) -> None:
         """:meth:`run` was started (``start_soon``) and begins at the next checkpoint.
