@@ -24,6 +24,19 @@ def _pair() -> tuple[socket.socket, socket.socket]:
     return ours, theirs
 
 
+async def _parked_reader(nursery: trio.Nursery, watch) -> trio.Event:
+    """A reader parked in ``watch.wait()``; the event is set once it wakes."""
+    woke = trio.Event()
+
+    async def reader():
+        await watch.wait()
+        woke.set()
+
+    nursery.start_soon(reader)
+    await trio.testing.wait_all_tasks_blocked()
+    return woke
+
+
 @asynccontextmanager
 async def _watched():
     """A running hub and a socket pair whose first end it watches; the hub stops on exit."""
@@ -39,14 +52,7 @@ async def test_a_parked_reader_wakes_when_data_arrives():
         hub = await _hub(nursery)
         ours, theirs = _pair()
         watch = hub.watch(ours.fileno())
-        woke = trio.Event()
-
-        async def reader():
-            await watch.wait()
-            woke.set()
-
-        nursery.start_soon(reader)
-        await trio.testing.wait_all_tasks_blocked()
+        woke = await _parked_reader(nursery, watch)
         assert not woke.is_set()
         theirs.send(b"PUB t\n")
         with trio.fail_after(2):
@@ -138,14 +144,7 @@ async def test_an_inline_callback_serves_edges_and_leaves_the_reader_parked():
             return data != b"wake"
 
         watch = hub.watch(ours.fileno(), inline)
-        woke = trio.Event()
-
-        async def reader():
-            await watch.wait()
-            woke.set()
-
-        nursery.start_soon(reader)
-        await trio.testing.wait_all_tasks_blocked()
+        woke = await _parked_reader(nursery, watch)
         for data in (b"PUB a\n", b"PUB b\n"):
             theirs.send(data)
             with trio.fail_after(2):
@@ -201,14 +200,7 @@ async def test_a_hang_up_wakes_the_reader_without_the_inline_callback():
         ours, theirs = _pair()
         calls = []
         watch = hub.watch(ours.fileno(), lambda: calls.append(1) or True)
-        woke = trio.Event()
-
-        async def reader():
-            await watch.wait()
-            woke.set()
-
-        nursery.start_soon(reader)
-        await trio.testing.wait_all_tasks_blocked()
+        woke = await _parked_reader(nursery, watch)
         theirs.close()
         with trio.fail_after(2):
             await woke.wait()
