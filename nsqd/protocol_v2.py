@@ -40,8 +40,8 @@ from .options import TLS_NOT_REQUIRED
 from .version import NSQD_VERSION
 
 if TYPE_CHECKING:
-    from .broker import Receipt
-    from .broker import Broker
+    from .broker import Broker, Receipt
+    from .staging import PublishBatch, StagedPublish
 
 log = structlog.get_logger("nsqd.protocol")
 
@@ -84,11 +84,12 @@ class AuthRefresh(Exception):
 
 
 class Unconfirmed:
-    """The answer to a publish that waits for its receipt (a durable publish): OK once fsynced."""
+    """The answer to a publish that waits for its receipt: OK once fsynced (durable) or once
+    the staged batch it is part of is stored (see ``nsqd/staging.py``)."""
 
     __slots__ = ("receipt", "command", "topic", "error")
 
-    def __init__(self, receipt: Receipt, command: str, topic: str) -> None:
+    def __init__(self, receipt: Receipt | StagedPublish, command: str, topic: str) -> None:
         self.receipt = receipt
         self.command = command
         self.topic = topic
@@ -260,9 +261,11 @@ def go_millis_ns(ms: int) -> int:
 class ProtocolV2:
     """Runs parsed commands for one client against the daemon."""
 
-    def __init__(self, nsqd: Broker, client: ClientV2) -> None:
+    def __init__(self, nsqd: Broker, client: ClientV2, batch: PublishBatch | None = None) -> None:
         self.nsqd = nsqd
         self.client = client
+        #: while it is open (a pass of the readiness hub), PUB and MPUB are staged there
+        self.batch = batch
         opts = nsqd.options
         self.parser = V2Parser(opts.max_msg_size, opts.max_body_size, int(opts.max_req_timeout * 1000))
         self.closed = False
@@ -642,6 +645,9 @@ class ProtocolV2:
         return self._publish(topic_name, "MPUB", split_mpub(body, opts.max_msg_size, opts.max_body_size), 0)
 
     def _publish(self, topic_name: str, cmd: str, bodies, defer_ns: int):
+        batch = self.batch
+        if batch is not None and batch.open and not defer_ns:
+            return Unconfirmed(batch.stage(topic_name, bodies), cmd, topic_name)
         try:
             receipt = self.nsqd.publish(topic_name, bodies, defer_ns=defer_ns)
         except PublishError as exc:  # the publisher may retry on the same connection

@@ -25,9 +25,13 @@ from __future__ import annotations
 
 import select
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import structlog
 import trio
+
+if TYPE_CHECKING:
+    from .staging import PublishBatch
 
 log = structlog.get_logger("nsqd.readiness")
 
@@ -105,9 +109,11 @@ class ReadinessHub:
     (TLS, compression), so a reused descriptor number never inherits it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, batch: PublishBatch | None = None) -> None:
         self._epoll = select.epoll() if hasattr(select, "epoll") else None
         self._watches: dict[int, Watch] = {}
+        #: open while one poll's edges are handed out, flushed after (``nsqd/staging.py``)
+        self.batch = batch
 
     def watch(self, fd: int, inline: Callable[[], bool] | None = None) -> Watch:
         """Register a socket; ``inline`` (never called for a :class:`_TrioWatch`) may serve its edges."""
@@ -134,31 +140,37 @@ class ReadinessHub:
         if self._epoll is None:
             task_status.started()
             await trio.sleep_forever()
-        epoll, watches = self._epoll, self._watches
+        epoll, watches, batch = self._epoll, self._watches, self.batch
         reschedule = trio.lowlevel.reschedule
         try:
             task_status.started()
             while True:
                 await trio.lowlevel.wait_readable(epoll.fileno())
-                for fd, events in epoll.poll(0, MAX_EDGES):
-                    watch = watches.get(fd)
-                    if watch is None:
-                        continue
-                    if events & _ENDED:
-                        watch.ended = True
-                    task = watch.task
-                    if task is None:
-                        watch.ready = True
-                        continue
-                    if watch.inline is not None and not watch.ended:
-                        try:
-                            if watch.inline():
-                                continue
-                        except Exception as exc:  # a bug in one connection: it fails, the hub goes on
-                            watch.error = exc
-                        if watch.task is None:  # the callback woke the reader itself
+                if batch is not None:
+                    batch.open = True
+                try:
+                    for fd, events in epoll.poll(0, MAX_EDGES):
+                        watch = watches.get(fd)
+                        if watch is None:
                             continue
-                    watch.task = None
-                    reschedule(task)
+                        if events & _ENDED:
+                            watch.ended = True
+                        task = watch.task
+                        if task is None:
+                            watch.ready = True
+                            continue
+                        if watch.inline is not None and not watch.ended:
+                            try:
+                                if watch.inline():
+                                    continue
+                            except Exception as exc:  # a bug in one connection: it fails, the hub goes on
+                                watch.error = exc
+                            if watch.task is None:  # the callback woke the reader itself
+                                continue
+                        watch.task = None
+                        reschedule(task)
+                finally:
+                    if batch is not None:
+                        batch.flush()
         finally:
             epoll.close()

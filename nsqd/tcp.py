@@ -73,6 +73,7 @@ from .broker import PublishError
 from .protocol_v2 import HEARTBEAT, MAGIC_V2, ProtocolV2, Unconfirmed
 from .readiness import ReadinessHub
 from .slots import LINGER
+from .staging import PublishBatch
 from .write_turn import WriteTurn
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ async def serve_tcp(nsqd: Broker, listeners, handlers: trio.Nursery, *,
                     task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Accept connections until cancelled; each runs in the ``handlers`` nursery."""
     async with trio.open_nursery() as nursery:
-        hub = ReadinessHub()
+        hub = ReadinessHub(PublishBatch(nsqd))
         await nursery.start(hub.run)
         for listener in listeners:
             nursery.start_soon(_accept_loop, nsqd, listener, handlers, hub)
@@ -227,7 +228,7 @@ class Connection:
         #: the last read found nothing: wait for the socket before reading
         self._wait_first = True
         self.client = client
-        self.protocol = ProtocolV2(nsqd, client)
+        self.protocol = ProtocolV2(nsqd, client, hub.batch)
         self._lot = trio.lowlevel.ParkingLot()
         self._turn = WriteTurn()
         self._cancel_scope = trio.CancelScope()

@@ -1,0 +1,99 @@
+"""Publishes that arrive in one pass of the readiness hub, stored as one batch per topic.
+
+Real sockets against the daemon in this process: the test writes to every
+connection before it yields, so the hub finds all of them in one poll and
+the publishes are staged together (``nsqd/staging.py``).
+"""
+
+import socket
+import struct
+
+import pytest
+import trio
+import trio.testing
+
+from .support import FRAME_ERROR, FRAME_RESPONSE, NSQConnection, mpub_body, running_nsqd, tcp_port
+
+
+def pub(topic: str, body: bytes) -> bytes:
+    return f"PUB {topic}\n".encode() + struct.pack(">i", len(body)) + body
+
+
+def mpub(topic: str, bodies: list[bytes]) -> bytes:
+    payload = mpub_body(bodies)
+    return f"MPUB {topic}\n".encode() + struct.pack(">i", len(payload)) + payload
+
+
+async def connections(port: int, count: int) -> list[tuple[socket.socket, NSQConnection]]:
+    """Connections whose readers are parked: a plain socket to write to at once, a client to read."""
+    opened = []
+    for _ in range(count):
+        raw = socket.create_connection(("127.0.0.1", port))
+        conn = NSQConnection(trio.SocketStream(trio.socket.from_stdlib_socket(raw)))
+        await conn.send(b"  V2")
+        opened.append((raw, conn))
+    for _, conn in opened:
+        await conn.send(b"NOP\n")
+    await trio.testing.wait_all_tasks_blocked()
+    return opened
+
+
+def send_all_at_once(opened, payloads: list[bytes]) -> None:
+    """Every connection's bytes written before the daemon runs again (one poll of the hub)."""
+    for (raw, _), data in zip(opened, payloads):
+        assert raw.send(data) == len(data)
+
+
+@pytest.mark.parametrize("durable", [False, True])
+async def test_publishes_staged_together_are_stored_whole_and_in_each_publishers_order(tmp_path, durable):
+    async with running_nsqd(tmp_path, durable=durable) as nsqd:
+        port = tcp_port(nsqd)
+        consumer = await NSQConnection.open(port)
+        await consumer.sub("t", "c")
+        opened = await connections(port, 20)
+        send_all_at_once(opened, [pub("t", b"%d-0" % i) + mpub("t", [b"%d-1" % i, b"%d-2" % i]) + pub("t", b"%d-3" % i)
+                                  for i in range(20)])
+        for _, conn in opened:
+            for _ in range(3):
+                await conn.expect_response()
+        assert nsqd.topics["t"].message_count == 80
+        await consumer.command("RDY 100")
+        seen: dict[int, list[int]] = {}
+        for _ in range(80):
+            msg = await consumer.read_message()
+            publisher, index = map(int, msg.body.split(b"-"))
+            seen.setdefault(publisher, []).append(index)
+            await consumer.command(b"FIN " + msg.id)
+        assert seen == {i: [0, 1, 2, 3] for i in range(20)}
+        producers = sum(client.pub_counts.get("t", 0) for client in nsqd.clients.values())
+        assert producers == 80
+
+
+async def test_a_refused_batch_is_published_again_one_publish_at_a_time(tmp_path):
+    """Room for 5: the batch of 7 is refused, then each publish gets the answer it would have got alone."""
+    async with running_nsqd(tmp_path, channel_max_messages=5) as nsqd:
+        port = tcp_port(nsqd)
+        consumer = await NSQConnection.open(port)
+        await consumer.sub("t", "c")
+        opened = await connections(port, 3)
+        send_all_at_once(opened, [mpub("t", [b"a1", b"a2", b"a3"]), mpub("t", [b"b1", b"b2", b"b3"]), pub("t", b"c1")])
+        answers = [await conn.read_non_heartbeat() for _, conn in opened]
+        assert answers[0] == (FRAME_RESPONSE, b"OK")
+        assert answers[1][0] == FRAME_ERROR and answers[1][1].startswith(b"E_MPUB_FAILED MPUB failed topic t is full")
+        assert answers[2] == (FRAME_RESPONSE, b"OK")
+        channel = nsqd.topics["t"].channels["c"]
+        assert channel.depth == 4
+        await consumer.command("RDY 10")
+        assert [(await consumer.read_message()).body for _ in range(4)] == [b"a1", b"a2", b"a3", b"c1"]
+
+
+async def test_a_publish_staged_before_a_fatal_error_is_answered_and_stored(tmp_path):
+    async with running_nsqd(tmp_path) as nsqd:
+        opened = await connections(tcp_port(nsqd), 2)
+        send_all_at_once(opened, [pub("t", b"kept") + b"BOGUS\n", pub("t", b"other")])
+        conn = opened[0][1]
+        await conn.expect_response()
+        await conn.expect_error("E_INVALID")
+        await conn.expect_closed()
+        await opened[1][1].expect_response()
+        assert nsqd.topics["t"].message_count == 2
