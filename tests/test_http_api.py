@@ -297,6 +297,11 @@ ERRORS = [
     ("/channel/empty?topic=t", b"", 400, "MISSING_ARG_CHANNEL"),
     ("/channel/pause?topic=t&channel=", b"", 400, "INVALID_ARG_CHANNEL"),
     ("/channel/unpause?topic=%", b"", 400, "INVALID_REQUEST"),
+    # Go's regexp $ is the end of the text: a trailing newline is not a valid name
+    ("/topic/create?topic=t%0A", b"", 400, "INVALID_TOPIC"),
+    ("/pub?topic=t%0A", b"x", 400, "INVALID_TOPIC"),
+    ("/channel/create?topic=t%0A&channel=c", b"", 400, "INVALID_ARG_TOPIC"),
+    ("/channel/create?topic=t&channel=c%0A", b"", 400, "INVALID_ARG_CHANNEL"),
 ]
 
 
