@@ -43,6 +43,7 @@ class ClientV2:
         self.client_id = host
         self.hostname = host
         self.user_agent = ""
+        self.topology_region = self.topology_zone = ""
         self.heartbeat_interval_ns = int(options.client_timeout * 1e9) // 2
         self.msg_timeout_ns = int(options.msg_timeout * 1e9)
         self.output_buffer_size = 16 * 1024

@@ -449,8 +449,8 @@ class ProtocolV2:
             "auth_required": self.auth_enabled,
             "output_buffer_size": client.output_buffer_size,
             "output_buffer_timeout": client.output_buffer_timeout_ns // 1_000_000,
-            "topology_region": "",
-            "topology_zone": "",
+            "topology_region": opts.topology_region,
+            "topology_zone": opts.topology_zone,
             **({"leases": True} if client.leases_enabled else {}),
         }, separators=(",", ":")).encode())
 
@@ -708,10 +708,10 @@ def _sizes_all(body: bytes, step: int, count: int) -> bool:
     return True
 
 
-#: IDENTIFY's fields, typed as nsqd's identifyDataV2 types them (short_id and long_id
-#: come from pre-1.0 clients, leases is our extension); sample_rate is an int32
+#: IDENTIFY's fields, typed as nsqd's identifyDataV2 types them (leases is our
+#: extension); sample_rate is an int32
 _IDENTIFY_FIELDS = {
-    "client_id": str, "hostname": str, "user_agent": str, "short_id": str, "long_id": str,
+    "client_id": str, "hostname": str, "user_agent": str,
     "topology_region": str, "topology_zone": str,
     "heartbeat_interval": int, "output_buffer_size": int, "output_buffer_timeout": int,
     "deflate_level": int, "msg_timeout": int, "sample_rate": int,
@@ -762,10 +762,16 @@ def _decode_identify(body: bytes) -> dict:
 
 
 def _identify(client: ClientV2, data: dict, opts) -> None:
-    """Apply decoded IDENTIFY fields with nsqd's validation; raises ValueError naming the field."""
-    client.client_id = data["client_id"] or data["short_id"] or client.client_id
-    client.hostname = data["hostname"] or data["long_id"] or client.hostname
+    """Apply decoded IDENTIFY fields with nsqd's validation; raises ValueError naming the field.
+
+    As nsqd's clientV2.Identify, the names and the topology are copied as given,
+    absent ones as "": /stats then shows what the client said about itself.
+    """
+    client.client_id = data["client_id"]
+    client.hostname = data["hostname"]
     client.user_agent = data["user_agent"]
+    client.topology_region = data["topology_region"]
+    client.topology_zone = data["topology_zone"]
     client.feature_negotiation = data["feature_negotiation"]
     client.leases_enabled = data["leases"]
 

@@ -131,7 +131,7 @@ async def test_identify_json_go_cannot_decode_fails_cleanly(tmp_path, logs, payl
 
 
 @pytest.mark.parametrize("payload,client_id", [
-    (b"null", "127.0.0.1"),                                    # Go: null decodes to the zero struct
+    (b"null", ""),                                             # Go: null decodes to the zero struct
     (b'{"client_id": "a\xffb"}', "a\ufffdb"),                  # Go: invalid UTF-8 in a string is U+FFFD
     (b'{"client_id": "c", "unknown": [1e400, {"deep": [[[1]]]}]}', "c"),  # unknown fields are ignored
     (b'{"client_id": "d", "heartbeat_interval": null}', "d"),  # null is the zero value

@@ -504,6 +504,25 @@ async def test_stats_json_has_go_keys_and_values(nsqd_server, http):
     await producer.close()
 
 
+@pytest.mark.parametrize("nsqd_server", [{"topology_region": "eu", "topology_zone": "eu-1a"}], indirect=True)
+async def test_identify_topology_and_names_are_the_clients_own(nsqd_server, http):
+    """As nsqd's IDENTIFY: the answer names the daemon's topology, and /stats shows
+    the client's topology and names as it sent them (absent ones empty)."""
+    consumer = await NSQConnection.open(tcp_port(nsqd_server))
+    answer = await consumer.identify(feature_negotiation=True, client_id="cons", hostname="conshost",
+                                     topology_region="us", topology_zone="us-2b")
+    assert (answer["topology_region"], answer["topology_zone"]) == ("eu", "eu-1a")
+    await consumer.sub("t", "c")
+    bare = await NSQConnection.open(tcp_port(nsqd_server))
+    await bare.identify(short_id="old", long_id="old.example")  # pre-1.0 names mean nothing to nsqd 1.3
+    await bare.sub("t", "c")
+    clients = channel_of(await stats(http), "t", "c")["clients"]
+    fields = sorted((c["client_id"], c["hostname"], c["topology_region"], c["topology_zone"]) for c in clients)
+    assert fields == [("", "", "", ""), ("cons", "conshost", "us", "us-2b")]
+    await consumer.close()
+    await bare.close()
+
+
 async def test_stats_filters(nsqd_server, http):
     consumer, producer = await clients_for_stats(nsqd_server)
     await http.post("/channel/create?topic=t&channel=d")
