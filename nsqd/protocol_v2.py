@@ -202,7 +202,7 @@ class V2Parser:
             return "E_INVALID", f"{name.decode()} insufficient number of parameters"
         topic = params[1].decode(errors="replace")
         if not is_valid_topic_name(topic):
-            return "E_BAD_TOPIC", f"{name.decode()} topic name {_go_quote(topic)} is not valid"
+            return "E_BAD_TOPIC", bad_topic_text(name.decode(), topic)
         if name == b"DPUB":
             try:
                 timeout_ms = go_base10(params[2], "DPUB could not parse timeout")
@@ -231,6 +231,13 @@ class V2Parser:
         self._failed = True
         self.clear()
         return (PARSE_ERROR, [code, desc], None)
+
+
+def bad_topic_text(cmd: str, topic: str) -> str:
+    """The description of an E_BAD_TOPIC; nsqd's MPUB writes its code into it as well
+    (the frame reads ``E_BAD_TOPIC E_BAD_TOPIC MPUB ...``), and clients may match the text."""
+    text = f"{cmd} topic name {_go_quote(topic)} is not valid"
+    return f"E_BAD_TOPIC {text}" if cmd == "MPUB" else text
 
 
 def go_base10(value: bytes, what: str) -> int:
@@ -402,7 +409,7 @@ class ProtocolV2:
             raise ClientError("E_INVALID", f"{cmd} insufficient number of parameters")
         name = params[1].decode(errors="replace")
         if not is_valid_topic_name(name):
-            raise ClientError("E_BAD_TOPIC", f"{cmd} topic name {_go_quote(name)} is not valid")
+            raise ClientError("E_BAD_TOPIC", bad_topic_text(cmd, name))
         return name
 
     # ------------------------------------------------------------ commands

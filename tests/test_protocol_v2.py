@@ -225,6 +225,8 @@ async def test_fin_of_another_clients_message(tmp_path):
     ([b"MPUB t\n" + struct.pack(">i", 12) + struct.pack(">ii", 1, 0) + b"xxxx"],
      "E_BAD_MESSAGE MPUB invalid message(0) body size 0"),
     ([b"AUTH\n" + struct.pack(">i", 1) + b"x"], "E_AUTH_DISABLED AUTH disabled"),
+    # nsqd's MPUB repeats the code in its text (protocol_v2.go, MPUB)
+    ([b"MPUB bad!topic\n"], 'E_BAD_TOPIC E_BAD_TOPIC MPUB topic name "bad!topic" is not valid'),
 ])
 async def test_fatal_errors_close_the_connection(tmp_path, commands, error):
     async with running_nsqd(tmp_path) as nsqd:
