@@ -215,6 +215,10 @@ async def test_fin_of_another_clients_message(tmp_path):
     ([b"SUB t c\n", b"RDY 2501\n"], "E_INVALID RDY count 2501 out of range 0-2500"),
     ([b"SUB t c\n", b"RDY x\n"], "E_INVALID RDY could not parse count x"),
     ([b"SUB t c\n", b"FIN 123\n"], "E_INVALID invalid message ID"),
+    # 16 bytes after "FIN ", but nsqd splits at the space or strips the \r: not a 16-byte id
+    ([b"SUB t c\n", b"FIN 01234567 9abcdef\n"], "E_INVALID invalid message ID"),
+    ([b"SUB t c\n", b"FIN  0123456789abcde\n"], "E_INVALID invalid message ID"),
+    ([b"SUB t c\n", b"FIN 0123456789abcde\r\n"], "E_INVALID invalid message ID"),
     ([b"SUB t c\n", b"REQ 0123456789abcdef x\n"], "E_INVALID REQ could not parse timeout x"),
     ([b"PUB t\n" + struct.pack(">i", 0)], "E_BAD_MESSAGE PUB invalid message body size 0"),
     ([b"PUB t\n" + struct.pack(">i", 1024 * 1024 + 1)], "E_BAD_MESSAGE PUB message too big"),
