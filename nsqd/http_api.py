@@ -30,7 +30,7 @@ from .channel import ChannelExiting
 from .diskq import DiskQueueError
 from .names import is_valid_channel_name, is_valid_topic_name
 from .options import OVERFLOW_POLICIES, TLS_REQUIRED, OptionsError, parse_log_level, split_host_port
-from .protocol_v2 import ClientError, split_mpub
+from .protocol_v2 import ClientError, go_millis_ns, split_mpub
 from .version import NSQD_VERSION
 
 log = structlog.get_logger("nsqd.http")
@@ -398,7 +398,7 @@ class HTTPAPI:
         if defer is not None:
             if not _INT64.match(defer) or not -(2**63) <= int(defer) < 2**63:
                 raise HTTPError(400, "INVALID_DEFER")
-            defer_ns = int(defer) * 1_000_000
+            defer_ns = go_millis_ns(int(defer))  # a Duration in Go: it may wrap, then is checked
             if not 0 <= defer_ns <= round(opts.max_req_timeout * 1e9):
                 raise HTTPError(400, "INVALID_DEFER")
         await self._publish("PUB", topic_name, [body], defer_ns)

@@ -407,6 +407,12 @@ class ProtocolV2:
 
     _base10 = staticmethod(go_base10)
 
+    def _req_timeout_ns(self, ms: int) -> int:
+        """nsqd's REQ timeout: milliseconds made a Duration (which may wrap past int64),
+        then clamped to [0, --max-req-timeout] instead of refused."""
+        max_ns = int(self.nsqd.options.max_req_timeout * 1000) * 1_000_000
+        return min(max(go_millis_ns(ms), 0), max_ns)
+
     def _topic_name(self, params: list[bytes], cmd: str, needed: int) -> str:
         if len(params) < needed:
             raise ClientError("E_INVALID", f"{cmd} insufficient number of parameters")
@@ -558,9 +564,8 @@ class ProtocolV2:
         client = self.client
         self._require_state("REQ", STATE_SUBSCRIBED, STATE_CLOSING)
         msg_id = self._message_id(params, "REQ", 3)
-        delay_ms = self._base10(params[2], "REQ could not parse timeout")
-        delay_ms = min(delay_ms, int(self.nsqd.options.max_req_timeout * 1000))
-        reason = client.sub.requeue(msg_id, delay_ms * 1_000_000, now_ns)
+        delay_ns = self._req_timeout_ns(self._base10(params[2], "REQ could not parse timeout"))
+        reason = client.sub.requeue(msg_id, delay_ns, now_ns)
         if reason is not None:
             raise ClientError("E_REQ_FAILED", f"REQ {msg_id.decode(errors='replace')} failed {reason}",
                               fatal=False)
@@ -625,9 +630,8 @@ class ProtocolV2:
 
     def LREQ(self, params, body, now_ns):
         name = self._lease_args(params, "LREQ", 3)
-        delay_ms = min(self._base10(params[2], "LREQ could not parse timeout"),
-                       int(self.nsqd.options.max_req_timeout * 1000))
-        count = self.client.sub.requeue_lease(name, delay_ms * 1_000_000, now_ns)
+        delay_ns = self._req_timeout_ns(self._base10(params[2], "LREQ could not parse timeout"))
+        count = self.client.sub.requeue_lease(name, delay_ns, now_ns)
         return _lease_response({"lease": name, "count": count})
 
     def PUB(self, params, body, now_ns):

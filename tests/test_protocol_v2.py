@@ -152,6 +152,25 @@ async def test_req_redelivers_with_attempts_and_deferred_req_waits(tmp_path):
         assert channel.requeue_count == 2
 
 
+async def test_req_timeouts_are_clamped_as_nsqds_durations(tmp_path):
+    """nsqd makes the milliseconds a Duration, which wraps past int64, and clamps
+    the result to [0, --max-req-timeout]: a wrapped negative timeout is 0, not the maximum."""
+    async with running_nsqd(tmp_path, max_req_timeout=10.0) as nsqd:
+        pub = await NSQConnection.open(tcp_port(nsqd))
+        await pub.pub("t", b"x")
+        sub = await subscriber(nsqd, "t", "c", rdy=1)
+        msg = await sub.read_message()
+        await sub.command(b"REQ " + msg.id + b" 9223372036855")  # * 1ms is past 2^63 ns: negative
+        again = await sub.read_message(timeout=2)
+        assert (again.id, again.attempts) == (msg.id, 2)
+        await sub.command(b"REQ " + msg.id + b" 10001")  # past the maximum: deferred for the maximum
+        await sub.command("NOP")
+        channel = nsqd.topics["t"].channels["c"]
+        with trio.fail_after(1):
+            while not channel.deferred_count:
+                await trio.sleep(0.01)
+
+
 async def test_msg_timeout_redelivers_and_touch_extends(tmp_path):
     async with running_nsqd(tmp_path, queue_scan_interval=0.02) as nsqd:
         pub = await NSQConnection.open(tcp_port(nsqd))
