@@ -254,8 +254,9 @@ class HTTPAPI:
         if request.path.startswith("/config/"):
             return None if state.authorizations else (403, "AUTH_UNAUTHORIZED")
         query = request.query()
-        topic = (query.get("topic") or [""])[-1]
-        channel = (query.get("channel") or [""])[-1]
+        # the values the handlers act on: the first of a repeated parameter
+        topic = _first(query, "topic") or ""
+        channel = _first(query, "channel") or ""
         if request.path in ("/pub", "/mpub"):
             allowed = state.allows(topic)
         else:
