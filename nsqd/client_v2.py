@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 from . import message
+from .options import host_of
 from .subscription import Budget
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ class ClientV2:
         self.connect_ts = now_ns // 1_000_000_000
         self.state = STATE_INIT
         # IDENTIFY
-        host = remote_address.rsplit(":", 1)[0]
+        host = host_of(remote_address)
         self.client_id = host
         self.hostname = host
         self.user_agent = ""

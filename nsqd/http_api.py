@@ -29,7 +29,7 @@ from .broker import PublishError
 from .channel import ChannelExiting
 from .diskq import DiskQueueError
 from .names import is_valid_channel_name, is_valid_topic_name
-from .options import OVERFLOW_POLICIES, TLS_REQUIRED, OptionsError, parse_log_level, split_host_port
+from .options import OVERFLOW_POLICIES, TLS_REQUIRED, OptionsError, host_of, parse_log_level, split_host_port
 from .protocol_v2 import ClientError, go_millis_ns, split_mpub
 from .version import NSQD_VERSION
 
@@ -186,7 +186,7 @@ class HTTPAPI:
             receive=http_request.receive,
             secure=http_request.secure,
             secret=_bearer(fields),
-            remote_ip=http_request.remote.rpartition(":")[0],
+            remote_ip=host_of(http_request.remote),
         )
         status, headers, body = await self.respond(request)
         if body.content_type is not None:

@@ -525,6 +525,19 @@ async def test_identify_topology_and_names_are_the_clients_own(nsqd_server, http
     await bare.close()
 
 
+@pytest.mark.parametrize("nsqd_server", [{"tcp_address": "[::1]:0"}], indirect=True)
+async def test_ipv6_clients_are_named_as_go_names_them(nsqd_server, http):
+    """Go's RemoteAddr().String() brackets an IPv6 host, and the client's default
+    client_id and hostname are its host as net.SplitHostPort gives it."""
+    conn = NSQConnection(await trio.open_tcp_stream("::1", tcp_port(nsqd_server)))
+    await conn.send(b"  V2")
+    await conn.sub("t", "c")
+    [client] = channel_of(await stats(http), "t", "c")["clients"]
+    assert client["remote_address"].startswith("[::1]:")
+    assert (client["client_id"], client["hostname"]) == ("::1", "::1")
+    await conn.close()
+
+
 async def test_stats_filters(nsqd_server, http):
     consumer, producer = await clients_for_stats(nsqd_server)
     await http.post("/channel/create?topic=t&channel=d")
