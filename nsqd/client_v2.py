@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 from . import message
+from .options import host_of
 from .subscription import Budget
 
 if TYPE_CHECKING:
@@ -39,10 +40,11 @@ class ClientV2:
         self.connect_ts = now_ns // 1_000_000_000
         self.state = STATE_INIT
         # IDENTIFY
-        host = remote_address.rsplit(":", 1)[0]
+        host = host_of(remote_address)
         self.client_id = host
         self.hostname = host
         self.user_agent = ""
+        self.topology_region = self.topology_zone = ""
         self.heartbeat_interval_ns = int(options.client_timeout * 1e9) // 2
         self.msg_timeout_ns = int(options.msg_timeout * 1e9)
         self.output_buffer_size = 16 * 1024

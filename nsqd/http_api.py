@@ -29,8 +29,8 @@ from .broker import PublishError
 from .channel import ChannelExiting
 from .diskq import DiskQueueError
 from .names import is_valid_channel_name, is_valid_topic_name
-from .options import OVERFLOW_POLICIES, TLS_REQUIRED, OptionsError, parse_log_level, split_host_port
-from .protocol_v2 import ClientError, split_mpub
+from .options import OVERFLOW_POLICIES, TLS_REQUIRED, OptionsError, host_of, parse_log_level, split_host_port
+from .protocol_v2 import ClientError, go_millis_ns, split_mpub
 from .version import NSQD_VERSION
 
 log = structlog.get_logger("nsqd.http")
@@ -186,7 +186,7 @@ class HTTPAPI:
             receive=http_request.receive,
             secure=http_request.secure,
             secret=_bearer(fields),
-            remote_ip=http_request.remote.rpartition(":")[0],
+            remote_ip=host_of(http_request.remote),
         )
         status, headers, body = await self.respond(request)
         if body.content_type is not None:
@@ -254,8 +254,9 @@ class HTTPAPI:
         if request.path.startswith("/config/"):
             return None if state.authorizations else (403, "AUTH_UNAUTHORIZED")
         query = request.query()
-        topic = (query.get("topic") or [""])[-1]
-        channel = (query.get("channel") or [""])[-1]
+        # the values the handlers act on: the first of a repeated parameter
+        topic = _first(query, "topic") or ""
+        channel = _first(query, "channel") or ""
         if request.path in ("/pub", "/mpub"):
             allowed = state.allows(topic)
         else:
@@ -398,7 +399,7 @@ class HTTPAPI:
         if defer is not None:
             if not _INT64.match(defer) or not -(2**63) <= int(defer) < 2**63:
                 raise HTTPError(400, "INVALID_DEFER")
-            defer_ns = int(defer) * 1_000_000
+            defer_ns = go_millis_ns(int(defer))  # a Duration in Go: it may wrap, then is checked
             if not 0 <= defer_ns <= round(opts.max_req_timeout * 1e9):
                 raise HTTPError(400, "INVALID_DEFER")
         await self._publish("PUB", topic_name, [body], defer_ns)

@@ -2,7 +2,8 @@
 
 import re
 
-_VALID = re.compile(r"^[.a-zA-Z0-9_-]+(#ephemeral)?$")
+#: ``\Z``, not ``$``: Python's ``$`` also matches before a final newline, Go's only at the end
+_VALID = re.compile(r"[.a-zA-Z0-9_-]+(#ephemeral)?\Z")
 
 
 def is_valid_name(name: str) -> bool:

@@ -224,6 +224,13 @@ def join_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def host_of(address: str) -> str:
+    """The host of a peer's "host:port" without brackets, as Go's net.SplitHostPort
+    gives it ("::1" for "[::1]:5000"): the client_id, hostname and auth remote_ip nsqd uses."""
+    host = address.rpartition(":")[0]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
 # Parsers for option values given as text, by Spec.kind; for list kinds they
 # parse one occurrence of the repeatable flag.
 STRING_PARSERS = {

@@ -60,7 +60,10 @@ _I64_MIN = -(1 << 63)
 
 FIN_BATCH = b"FIN*"
 _FIN_LINE = 21  # "FIN " + 16-byte id + "\n"
-_FIN_RUN = re.compile(rb"(?:FIN [^\n]{16}\n)+")
+#: ids of printable ASCII only (one byte range: as fast as any byte): a space (nsqd splits
+#: the line there) or a final \r (nsqd strips it) must take the slow path, whose answer
+#: is nsqd's fatal "invalid message ID"; other bytes lose only speed there
+_FIN_RUN = re.compile(rb"(?:FIN [!-~]{16}\n)+")
 PARSE_ERROR = b"!ERR"
 _BODY_COMMANDS = frozenset((b"PUB", b"MPUB", b"DPUB", b"IDENTIFY", b"AUTH"))
 _I32 = struct.Struct(">i")
@@ -203,7 +206,7 @@ class V2Parser:
             return "E_INVALID", f"{name.decode()} insufficient number of parameters"
         topic = params[1].decode(errors="replace")
         if not is_valid_topic_name(topic):
-            return "E_BAD_TOPIC", f"{name.decode()} topic name {_go_quote(topic)} is not valid"
+            return "E_BAD_TOPIC", bad_topic_text(name.decode(), topic)
         if name == b"DPUB":
             try:
                 timeout_ms = go_base10(params[2], "DPUB could not parse timeout")
@@ -232,6 +235,13 @@ class V2Parser:
         self._failed = True
         self.clear()
         return (PARSE_ERROR, [code, desc], None)
+
+
+def bad_topic_text(cmd: str, topic: str) -> str:
+    """The description of an E_BAD_TOPIC; nsqd's MPUB writes its code into it as well
+    (the frame reads ``E_BAD_TOPIC E_BAD_TOPIC MPUB ...``), and clients may match the text."""
+    text = f"{cmd} topic name {_go_quote(topic)} is not valid"
+    return f"E_BAD_TOPIC {text}" if cmd == "MPUB" else text
 
 
 def go_base10(value: bytes, what: str) -> int:
@@ -400,12 +410,18 @@ class ProtocolV2:
 
     _base10 = staticmethod(go_base10)
 
+    def _req_timeout_ns(self, ms: int) -> int:
+        """nsqd's REQ timeout: milliseconds made a Duration (which may wrap past int64),
+        then clamped to [0, --max-req-timeout] instead of refused."""
+        max_ns = int(self.nsqd.options.max_req_timeout * 1000) * 1_000_000
+        return min(max(go_millis_ns(ms), 0), max_ns)
+
     def _topic_name(self, params: list[bytes], cmd: str, needed: int) -> str:
         if len(params) < needed:
             raise ClientError("E_INVALID", f"{cmd} insufficient number of parameters")
         name = params[1].decode(errors="replace")
         if not is_valid_topic_name(name):
-            raise ClientError("E_BAD_TOPIC", f"{cmd} topic name {_go_quote(name)} is not valid")
+            raise ClientError("E_BAD_TOPIC", bad_topic_text(cmd, name))
         return name
 
     # ------------------------------------------------------------ commands
@@ -452,8 +468,8 @@ class ProtocolV2:
             "auth_required": self.auth_enabled,
             "output_buffer_size": client.output_buffer_size,
             "output_buffer_timeout": client.output_buffer_timeout_ns // 1_000_000,
-            "topology_region": "",
-            "topology_zone": "",
+            "topology_region": opts.topology_region,
+            "topology_zone": opts.topology_zone,
             **({"leases": True} if client.leases_enabled else {}),
         }, separators=(",", ":")).encode())
 
@@ -551,9 +567,8 @@ class ProtocolV2:
         client = self.client
         self._require_state("REQ", STATE_SUBSCRIBED, STATE_CLOSING)
         msg_id = self._message_id(params, "REQ", 3)
-        delay_ms = self._base10(params[2], "REQ could not parse timeout")
-        delay_ms = min(delay_ms, int(self.nsqd.options.max_req_timeout * 1000))
-        reason = client.sub.requeue(msg_id, delay_ms * 1_000_000, now_ns)
+        delay_ns = self._req_timeout_ns(self._base10(params[2], "REQ could not parse timeout"))
+        reason = client.sub.requeue(msg_id, delay_ns, now_ns)
         if reason is not None:
             raise ClientError("E_REQ_FAILED", f"REQ {msg_id.decode(errors='replace')} failed {reason}",
                               fatal=False)
@@ -618,9 +633,8 @@ class ProtocolV2:
 
     def LREQ(self, params, body, now_ns):
         name = self._lease_args(params, "LREQ", 3)
-        delay_ms = min(self._base10(params[2], "LREQ could not parse timeout"),
-                       int(self.nsqd.options.max_req_timeout * 1000))
-        count = self.client.sub.requeue_lease(name, delay_ms * 1_000_000, now_ns)
+        delay_ns = self._req_timeout_ns(self._base10(params[2], "LREQ could not parse timeout"))
+        count = self.client.sub.requeue_lease(name, delay_ns, now_ns)
         return _lease_response({"lease": name, "count": count})
 
     def PUB(self, params, body, now_ns):
@@ -714,10 +728,10 @@ def _sizes_all(body: bytes, step: int, count: int) -> bool:
     return True
 
 
-#: IDENTIFY's fields, typed as nsqd's identifyDataV2 types them (short_id and long_id
-#: come from pre-1.0 clients, leases is our extension); sample_rate is an int32
+#: IDENTIFY's fields, typed as nsqd's identifyDataV2 types them (leases is our
+#: extension); sample_rate is an int32
 _IDENTIFY_FIELDS = {
-    "client_id": str, "hostname": str, "user_agent": str, "short_id": str, "long_id": str,
+    "client_id": str, "hostname": str, "user_agent": str,
     "topology_region": str, "topology_zone": str,
     "heartbeat_interval": int, "output_buffer_size": int, "output_buffer_timeout": int,
     "deflate_level": int, "msg_timeout": int, "sample_rate": int,
@@ -768,10 +782,16 @@ def _decode_identify(body: bytes) -> dict:
 
 
 def _identify(client: ClientV2, data: dict, opts) -> None:
-    """Apply decoded IDENTIFY fields with nsqd's validation; raises ValueError naming the field."""
-    client.client_id = data["client_id"] or data["short_id"] or client.client_id
-    client.hostname = data["hostname"] or data["long_id"] or client.hostname
+    """Apply decoded IDENTIFY fields with nsqd's validation; raises ValueError naming the field.
+
+    As nsqd's clientV2.Identify, the names and the topology are copied as given,
+    absent ones as "": /stats then shows what the client said about itself.
+    """
+    client.client_id = data["client_id"]
+    client.hostname = data["hostname"]
     client.user_agent = data["user_agent"]
+    client.topology_region = data["topology_region"]
+    client.topology_zone = data["topology_zone"]
     client.feature_negotiation = data["feature_negotiation"]
     client.leases_enabled = data["leases"]
 

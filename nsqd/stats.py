@@ -171,12 +171,15 @@ def snapshot(
     """The daemon's stats, optionally narrowed to one topic and/or channel name.
 
     As in nsqd, a topic without the requested channel is left out, and
-    producers (clients that published) are listed whatever the topic filter,
-    each with its publish counts for that topic only.
+    producers (clients that published) are listed whatever the channel filter,
+    each with its publish counts for the requested topic only; a topic that
+    does not exist leaves out the producers as well (nsqd's GetStats returns early).
     """
+    topic_missing = False
     if topic:
         found = nsqd.topics.get(topic)
         topics = [found] if found is not None else []
+        topic_missing = found is None
     else:
         topics = sorted(nsqd.topics.values(), key=lambda t: t.name)
     topic_stats = []
@@ -192,7 +195,7 @@ def snapshot(
         channel_stats = tuple(_channel_stats(c, topic, include_clients, now_ns) for c in channels)
         topic_stats.append(_topic_stats(t, channel_stats, now_ns))
     producers: tuple[ClientStats, ...] = ()
-    if include_clients:
+    if include_clients and not topic_missing:
         producers = tuple(
             client_stats(c, topic)
             for _, c in sorted(nsqd.clients.items())

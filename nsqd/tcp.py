@@ -69,6 +69,7 @@ import trio
 from . import auth, message, tls
 from .client_v2 import ClientV2
 from .compression import DeflateStream, SnappyStream
+from .options import host_of, join_host_port
 from .broker import PublishError
 from .protocol_v2 import HEARTBEAT, MAGIC_V2, ProtocolV2, Unconfirmed
 from .readiness import ReadinessHub
@@ -196,10 +197,11 @@ async def _receive_exactly(stream: trio.SocketStream, n: int) -> bytes | None:
 
 
 def peer_address(stream: trio.SocketStream) -> str:
-    """``host:port`` of the other end, for logs and stats."""
+    """``host:port`` of the other end, for logs and stats; IPv6 hosts in brackets, as
+    Go's RemoteAddr().String() writes them (/stats remote_address is split by tools)."""
     try:
         host, port = stream.socket.getpeername()[:2]
-        return f"{host}:{port}"
+        return join_host_port(host, port)
     except (OSError, ValueError):
         return "unknown"
 
@@ -577,7 +579,7 @@ class Connection:
         opts = self.nsqd.options
         try:
             state = await auth.query_any(
-                opts.auth_http_addresses, remote_ip=client.remote_address.rsplit(":", 1)[0], tls=client.tls,
+                opts.auth_http_addresses, remote_ip=host_of(client.remote_address), tls=client.tls,
                 secret=client.auth_secret, now=self.nsqd.now_ns() / 1e9,
                 method=opts.auth_http_request_method, connect_timeout=opts.http_client_connect_timeout,
                 request_timeout=opts.http_client_request_timeout)

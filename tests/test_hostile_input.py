@@ -131,7 +131,7 @@ async def test_identify_json_go_cannot_decode_fails_cleanly(tmp_path, logs, payl
 
 
 @pytest.mark.parametrize("payload,client_id", [
-    (b"null", "127.0.0.1"),                                    # Go: null decodes to the zero struct
+    (b"null", ""),                                             # Go: null decodes to the zero struct
     (b'{"client_id": "a\xffb"}', "a\ufffdb"),                  # Go: invalid UTF-8 in a string is U+FFFD
     (b'{"client_id": "c", "unknown": [1e400, {"deep": [[[1]]]}]}', "c"),  # unknown fields are ignored
     (b'{"client_id": "d", "heartbeat_interval": null}', "d"),  # null is the zero value
@@ -155,16 +155,19 @@ async def test_req_and_lreq_with_5000_digits_clamp_as_nsqd_does(tmp_path, logs):
         await sub.command("RDY 1")
         msg = await sub.read_message()
         await sub.command("RDY 0")
-        await sub.command(b"REQ " + msg.id + b" " + HUGE)  # clamped to --max-req-timeout
+        # 2**64 - 1 ms is -1 ms as Go's Duration: clamped to 0, requeued at once
+        await sub.command(b"REQ " + msg.id + b" " + HUGE)
         await sub.command(b"LEASE L")
         assert json.loads((await sub.read_non_heartbeat())[1])["lease"] == "L"
+        channel = nsqd.topics["t"].channels["c"]
+        assert channel.deferred_count == 0 and channel.in_flight_count == 0
         await sub.command("RDY 1")
-        await sub.read_message()
+        leased = await sub.read_message()
         await sub.command(b"LREQ L " + HUGE)
         kind, data = await sub.read_non_heartbeat()
         assert (kind, json.loads(data)) == (FRAME_RESPONSE, {"lease": "L", "count": 1})
-        channel = nsqd.topics["t"].channels["c"]
-        assert channel.deferred_count == 2 and channel.in_flight_count == 0
+        again = await sub.read_message(timeout=2)
+        assert again.id == leased.id and channel.deferred_count == 0
 
 
 async def test_rdy_with_a_number_that_wraps_into_range_is_taken_as_go_takes_it(tmp_path, logs):

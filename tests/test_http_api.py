@@ -221,8 +221,10 @@ async def test_pub_defer_holds_the_message_as_deferred(http):
     assert_ok_empty(await http.post("/channel/create?topic=t&channel=c"))
     assert (await http.post("/pub?topic=t&defer=5000", b"later")).body == b"OK"
     assert (await http.post("/pub?topic=t&defer=0", b"now")).body == b"OK"
+    # Go's Duration(defer) * Millisecond wraps past int64: this is 384µs, in range
+    assert (await http.post("/pub?topic=t&defer=18446744073709552", b"soon")).body == b"OK"
     channel = channel_of(await stats(http), "t", "c")
-    assert (channel["deferred_count"], channel["depth"], channel["message_count"]) == (1, 1, 2)
+    assert (channel["message_count"], channel["deferred_count"] + channel["depth"]) == (3, 3)
 
 
 async def test_chunked_body_is_read(http):
@@ -297,6 +299,11 @@ ERRORS = [
     ("/channel/empty?topic=t", b"", 400, "MISSING_ARG_CHANNEL"),
     ("/channel/pause?topic=t&channel=", b"", 400, "INVALID_ARG_CHANNEL"),
     ("/channel/unpause?topic=%", b"", 400, "INVALID_REQUEST"),
+    # Go's regexp $ is the end of the text: a trailing newline is not a valid name
+    ("/topic/create?topic=t%0A", b"", 400, "INVALID_TOPIC"),
+    ("/pub?topic=t%0A", b"x", 400, "INVALID_TOPIC"),
+    ("/channel/create?topic=t%0A&channel=c", b"", 400, "INVALID_ARG_TOPIC"),
+    ("/channel/create?topic=t&channel=c%0A", b"", 400, "INVALID_ARG_CHANNEL"),
 ]
 
 
@@ -499,6 +506,38 @@ async def test_stats_json_has_go_keys_and_values(nsqd_server, http):
     await producer.close()
 
 
+@pytest.mark.parametrize("nsqd_server", [{"topology_region": "eu", "topology_zone": "eu-1a"}], indirect=True)
+async def test_identify_topology_and_names_are_the_clients_own(nsqd_server, http):
+    """As nsqd's IDENTIFY: the answer names the daemon's topology, and /stats shows
+    the client's topology and names as it sent them (absent ones empty)."""
+    consumer = await NSQConnection.open(tcp_port(nsqd_server))
+    answer = await consumer.identify(feature_negotiation=True, client_id="cons", hostname="conshost",
+                                     topology_region="us", topology_zone="us-2b")
+    assert (answer["topology_region"], answer["topology_zone"]) == ("eu", "eu-1a")
+    await consumer.sub("t", "c")
+    bare = await NSQConnection.open(tcp_port(nsqd_server))
+    await bare.identify(short_id="old", long_id="old.example")  # pre-1.0 names mean nothing to nsqd 1.3
+    await bare.sub("t", "c")
+    clients = channel_of(await stats(http), "t", "c")["clients"]
+    fields = sorted((c["client_id"], c["hostname"], c["topology_region"], c["topology_zone"]) for c in clients)
+    assert fields == [("", "", "", ""), ("cons", "conshost", "us", "us-2b")]
+    await consumer.close()
+    await bare.close()
+
+
+@pytest.mark.parametrize("nsqd_server", [{"tcp_address": "[::1]:0"}], indirect=True)
+async def test_ipv6_clients_are_named_as_go_names_them(nsqd_server, http):
+    """Go's RemoteAddr().String() brackets an IPv6 host, and the client's default
+    client_id and hostname are its host as net.SplitHostPort gives it."""
+    conn = NSQConnection(await trio.open_tcp_stream("::1", tcp_port(nsqd_server)))
+    await conn.send(b"  V2")
+    await conn.sub("t", "c")
+    [client] = channel_of(await stats(http), "t", "c")["clients"]
+    assert client["remote_address"].startswith("[::1]:")
+    assert (client["client_id"], client["hostname"]) == ("::1", "::1")
+    await conn.close()
+
+
 async def test_stats_filters(nsqd_server, http):
     consumer, producer = await clients_for_stats(nsqd_server)
     await http.post("/channel/create?topic=t&channel=d")
@@ -516,7 +555,8 @@ async def test_stats_filters(nsqd_server, http):
     doc = await stats(http, "&channel=c")  # topics without that channel are left out
     assert [(t["topic_name"], [c["channel_name"] for c in t["channels"]]) for t in doc["topics"]] == [("t", ["c"])]
 
-    assert (await stats(http, "&topic=missing"))["topics"] == []
+    doc = await stats(http, "&topic=missing")  # nsqd's GetStats returns before it lists producers
+    assert (doc["topics"], doc["producers"]) == ([], [])
 
     doc = await stats(http, "&include_clients=false")
     channel = channel_of(doc, "t", "c")

@@ -316,6 +316,9 @@ async def test_http_publish_and_admin_need_a_secret_when_auth_is_on(tmp_path):
             assert (await http.request("POST", "/pub?topic=t", b"x", headers=bearer("nope"))).status == 401
             assert (await http.request("POST", "/pub?topic=t", b"x", headers=bearer("pub"))).status == 200
             assert (await http.request("POST", "/pub?topic=u", b"x", headers=bearer("pub"))).status == 403
+            # the handler acts on the first value of a repeated parameter (Go's ReqParams.Get): so does auth
+            assert (await http.request("POST", "/pub?topic=u&topic=t", b"x", headers=bearer("pub"))).status == 403
+            assert "u" not in nsqd.topics
             resp = await http.request("POST", "/topic/empty?topic=t", headers=bearer("pub"))
             assert (resp.status, resp.json()) == (403, {"message": "AUTH_UNAUTHORIZED"})
             assert (await http.request("POST", "/topic/empty?topic=t", headers=bearer("admin"))).status == 200

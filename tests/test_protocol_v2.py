@@ -152,6 +152,25 @@ async def test_req_redelivers_with_attempts_and_deferred_req_waits(tmp_path):
         assert channel.requeue_count == 2
 
 
+async def test_req_timeouts_are_clamped_as_nsqds_durations(tmp_path):
+    """nsqd makes the milliseconds a Duration, which wraps past int64, and clamps
+    the result to [0, --max-req-timeout]: a wrapped negative timeout is 0, not the maximum."""
+    async with running_nsqd(tmp_path, max_req_timeout=10.0) as nsqd:
+        pub = await NSQConnection.open(tcp_port(nsqd))
+        await pub.pub("t", b"x")
+        sub = await subscriber(nsqd, "t", "c", rdy=1)
+        msg = await sub.read_message()
+        await sub.command(b"REQ " + msg.id + b" 9223372036855")  # * 1ms is past 2^63 ns: negative
+        again = await sub.read_message(timeout=2)
+        assert (again.id, again.attempts) == (msg.id, 2)
+        await sub.command(b"REQ " + msg.id + b" 10001")  # past the maximum: deferred for the maximum
+        await sub.command("NOP")
+        channel = nsqd.topics["t"].channels["c"]
+        with trio.fail_after(1):
+            while not channel.deferred_count:
+                await trio.sleep(0.01)
+
+
 async def test_msg_timeout_redelivers_and_touch_extends(tmp_path):
     async with running_nsqd(tmp_path, queue_scan_interval=0.02) as nsqd:
         pub = await NSQConnection.open(tcp_port(nsqd))
@@ -215,6 +234,10 @@ async def test_fin_of_another_clients_message(tmp_path):
     ([b"SUB t c\n", b"RDY 2501\n"], "E_INVALID RDY count 2501 out of range 0-2500"),
     ([b"SUB t c\n", b"RDY x\n"], "E_INVALID RDY could not parse count x"),
     ([b"SUB t c\n", b"FIN 123\n"], "E_INVALID invalid message ID"),
+    # 16 bytes after "FIN ", but nsqd splits at the space or strips the \r: not a 16-byte id
+    ([b"SUB t c\n", b"FIN 01234567 9abcdef\n"], "E_INVALID invalid message ID"),
+    ([b"SUB t c\n", b"FIN  0123456789abcde\n"], "E_INVALID invalid message ID"),
+    ([b"SUB t c\n", b"FIN 0123456789abcde\r\n"], "E_INVALID invalid message ID"),
     ([b"SUB t c\n", b"REQ 0123456789abcdef x\n"], "E_INVALID REQ could not parse timeout x"),
     ([b"PUB t\n" + struct.pack(">i", 0)], "E_BAD_MESSAGE PUB invalid message body size 0"),
     ([b"PUB t\n" + struct.pack(">i", 1024 * 1024 + 1)], "E_BAD_MESSAGE PUB message too big"),
@@ -225,6 +248,8 @@ async def test_fin_of_another_clients_message(tmp_path):
     ([b"MPUB t\n" + struct.pack(">i", 12) + struct.pack(">ii", 1, 0) + b"xxxx"],
      "E_BAD_MESSAGE MPUB invalid message(0) body size 0"),
     ([b"AUTH\n" + struct.pack(">i", 1) + b"x"], "E_AUTH_DISABLED AUTH disabled"),
+    # nsqd's MPUB repeats the code in its text (protocol_v2.go, MPUB)
+    ([b"MPUB bad!topic\n"], 'E_BAD_TOPIC E_BAD_TOPIC MPUB topic name "bad!topic" is not valid'),
 ])
 async def test_fatal_errors_close_the_connection(tmp_path, commands, error):
     async with running_nsqd(tmp_path) as nsqd:
