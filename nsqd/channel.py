@@ -348,12 +348,20 @@ class Channel:
             self._mem_bytes += sum(map(len, piece[1]))
 
     def _wake(self, n: int) -> None:
+        """Wake hungry subscriptions with room for ``n`` new messages, first come first.
+
+        One whose room is gone since it went hungry (RDY 0, CLS, a lower RDY)
+        is dropped without counting: its next fill, when it has room again,
+        asks anew; counted, it would keep the messages from the others.
+        """
         hungry = self._hungry
         while hungry and n > 0:
             sub = next(iter(hungry))
             del hungry[sub]
-            sub.consumer.wake()
-            n -= max(sub.room(n), 1)
+            room = sub.room(n)
+            if room > 0:
+                sub.consumer.wake()
+                n -= room
 
     def wake_all(self) -> None:
         for sub in list(self.subscriptions.values()):

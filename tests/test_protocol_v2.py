@@ -11,6 +11,10 @@ from nsqd.protocol_v2 import HEARTBEAT  # noqa: F401  (the frame the daemon send
 from .support import FRAME_ERROR, NSQConnection, mpub_body, running_nsqd, tcp_port
 
 
+def pub_command(topic: str, body: bytes) -> bytes:
+    return f"PUB {topic}\n".encode() + struct.pack(">i", len(body)) + body
+
+
 async def subscriber(nsqd, topic, channel, rdy=None, **identify):
     conn = await NSQConnection.open(tcp_port(nsqd))
     if identify:
@@ -381,3 +385,16 @@ async def test_output_buffer_settings_batch_messages_as_nsqd_does(tmp_path):
         start = trio.current_time()
         got = [await buffered.read_message(timeout=3) for _ in range(64)]
         assert trio.current_time() - start < 0.5 and len(got) == 64
+
+
+async def test_a_consumer_that_set_rdy_0_does_not_keep_a_message_from_an_idle_one(tmp_path):
+    """Both consumers waited for messages; the first then sent RDY 0. The next message is
+    the second's at once, not at its next heartbeat (30 s)."""
+    async with running_nsqd(tmp_path) as nsqd:
+        paused = await subscriber(nsqd, "t", "c", rdy=1)
+        idle = await subscriber(nsqd, "t", "c", rdy=1)
+        await paused.send(b"RDY 0\n" + pub_command("elsewhere", b"-"))
+        await paused.expect_response()  # answered after RDY 0 ran
+        publisher = await NSQConnection.open(tcp_port(nsqd))
+        await publisher.pub("t", b"x")
+        assert (await idle.read_message(timeout=3)).body == b"x"
