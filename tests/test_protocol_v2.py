@@ -398,3 +398,15 @@ async def test_a_consumer_that_set_rdy_0_does_not_keep_a_message_from_an_idle_on
         publisher = await NSQConnection.open(tcp_port(nsqd))
         await publisher.pub("t", b"x")
         assert (await idle.read_message(timeout=3)).body == b"x"
+
+
+async def test_a_sampling_consumer_is_not_stalled_by_a_batch_it_sampled_away(tmp_path):
+    """sample_rate drops messages for this consumer; when all it took were dropped it takes
+    again at once (nsqd's pump reads on), not at its next heartbeat (30 s)."""
+    async with running_nsqd(tmp_path) as nsqd:
+        publisher = await NSQConnection.open(tcp_port(nsqd))
+        await publisher.mpub("t", [b"%d" % i for i in range(400)])
+        sub = await subscriber(nsqd, "t", "c", rdy=1, sample_rate=50)
+        for _ in range(20):  # each take of one message is dropped half the time
+            msg = await sub.read_message(timeout=3)
+            await sub.command(b"FIN " + msg.id)
