@@ -410,3 +410,29 @@ async def test_a_sampling_consumer_is_not_stalled_by_a_batch_it_sampled_away(tmp
         for _ in range(20):  # each take of one message is dropped half the time
             msg = await sub.read_message(timeout=3)
             await sub.command(b"FIN " + msg.id)
+
+
+async def test_deferred_messages_on_disk_do_not_hide_a_ready_one_behind_them(tmp_path):
+    """With --mem-queue-size=0 deferred messages wait on disk, in the queue's order: a
+    consumer's take reads on past those not yet due to the message that is."""
+    async with running_nsqd(tmp_path, mem_queue_size=0) as nsqd:
+        publisher = await NSQConnection.open(tcp_port(nsqd))
+        await publisher.sub("t", "c")  # the channel exists; this connection never sends RDY
+        for _ in range(3):
+            await publisher.dpub("t", 60_000, b"later")
+        await publisher.pub("t", b"now")
+        sub = await subscriber(nsqd, "t", "c", rdy=1)
+        assert (await sub.read_message(timeout=3)).body == b"now"
+
+
+async def test_a_deferred_message_on_disk_is_delivered_when_due(tmp_path):
+    """A deferred message that waits on disk (past the memory bound) wakes an idle consumer when due."""
+    async with running_nsqd(tmp_path, mem_queue_size=0) as nsqd:
+        publisher = await NSQConnection.open(tcp_port(nsqd))
+        await publisher.sub("t", "c")
+        await publisher.dpub("t", 60_000, b"later")  # the one deferred message kept in memory
+        await publisher.dpub("t", 200, b"soon")  # on disk
+        sub = await subscriber(nsqd, "t", "c", rdy=1)
+        start = trio.current_time()
+        assert (await sub.read_message(timeout=3)).body == b"soon"
+        assert trio.current_time() - start < 1
