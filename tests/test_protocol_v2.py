@@ -436,3 +436,32 @@ async def test_a_deferred_message_on_disk_is_delivered_when_due(tmp_path):
         start = trio.current_time()
         assert (await sub.read_message(timeout=3)).body == b"soon"
         assert trio.current_time() - start < 1
+
+
+async def test_a_consumer_holding_messages_gets_one_more_while_in_flight_is_below_rdy(tmp_path):
+    """RDY 10 and 9 held: the tenth is sent (messages are pushed while in flight < RDY),
+    within output_buffer_timeout (250 ms), though the consumer frees no eighth of its RDY."""
+    async with running_nsqd(tmp_path) as nsqd:
+        sub = await subscriber(nsqd, "t", "c", rdy=10)
+        publisher = await NSQConnection.open(tcp_port(nsqd))
+        await publisher.mpub("t", [b"%d" % i for i in range(9)])
+        held = [await sub.read_message(timeout=3) for _ in range(9)]
+        start = trio.current_time()
+        await publisher.pub("t", b"tenth")
+        assert (await sub.read_message(timeout=3)).body == b"tenth"
+        assert trio.current_time() - start < 1
+        assert len({m.id for m in held}) == 9
+
+
+async def test_a_consumer_that_frees_less_than_an_eighth_of_rdy_is_refilled_from_a_backlog(tmp_path):
+    """RDY 16, all 16 held, one FIN: the refill of one waits for more room, but not longer
+    than output_buffer_timeout (250 ms), however long the consumer holds the other 15."""
+    async with running_nsqd(tmp_path) as nsqd:
+        publisher = await NSQConnection.open(tcp_port(nsqd))
+        await publisher.mpub("t", [b"%d" % i for i in range(40)])
+        sub = await subscriber(nsqd, "t", "c", rdy=16)
+        held = [await sub.read_message(timeout=3) for _ in range(16)]
+        start = trio.current_time()
+        await sub.command(b"FIN " + held[0].id)
+        assert (await sub.read_message(timeout=3)).body == b"16"
+        assert trio.current_time() - start < 1
