@@ -730,7 +730,11 @@ class Channel:
         self.wake_all()
 
     def empty(self) -> None:
-        """Drop every queued, deferred and in-flight message (as nsqd's Empty)."""
+        """Drop every queued, deferred and in-flight message (as nsqd's Empty).
+
+        Consumers are woken: the in-flight messages they lost gave them room
+        again, and one whose RDY they filled is not hungry, so no publish would.
+        """
         self._chunks.clear()
         self._head = 0
         self._mem_count = self._mem_bytes = 0
@@ -746,6 +750,7 @@ class Channel:
         if self.backend is not None:
             self.backend.empty()
         self._room_made()
+        self.wake_all()
 
     # -------------------------------------------------------- durability
     def _kept(self) -> tuple[list, int]:
