@@ -63,7 +63,8 @@ BATCH_BYTES = 16 << 20
 #: lease commands sent before their answers are read, when walking segments
 WINDOW = 16
 #: nsqd refills a connection that holds messages only once this share of its RDY is free (its
-#: MIN_REFILL_FRACTION): a segment with less room left gets nothing beyond what nsqd took for it already
+#: MIN_REFILL_FRACTION), or an output_buffer_timeout later (OUTPUT_BUFFER_TIMEOUT_MS, longer than
+#: FULL_WAIT): a segment with less room left gets nothing beyond what nsqd took for it already
 REFILL_FRACTION = 8
 #: how long a segment in its last eighth may take to fill up before it is sealed
 FULL_WAIT = 0.01

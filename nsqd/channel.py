@@ -133,6 +133,9 @@ class Channel:
         self._mem_bytes = 0
         self._deferred: list[tuple[int, int, bytes, int | None]] = []
         self._deferred_on_disk = 0
+        #: the earliest due time of the deferred records written to disk since the queue scan last
+        #: looked (None: none): when it comes, hungry consumers are woken to read them
+        self._disk_due_ns: int | None = None
         self._seq = count()
         self._hungry: dict[Subscription, None] = {}
         self._disk_turn = False
@@ -291,6 +294,8 @@ class Channel:
         if put.due_ns:
             if self.backend is not None:
                 self._deferred_on_disk += n - keep
+                if keep < n:
+                    self._due_on_disk(put.due_ns)
             elif keep < n:
                 self._drop_deferred(n - keep)
             positions = put.positions
@@ -348,12 +353,20 @@ class Channel:
             self._mem_bytes += sum(map(len, piece[1]))
 
     def _wake(self, n: int) -> None:
+        """Wake hungry subscriptions with room for ``n`` new messages, first come first.
+
+        One whose room is gone since it went hungry (RDY 0, CLS, a lower RDY)
+        is dropped without counting: its next fill, when it has room again,
+        asks anew; counted, it would keep the messages from the others.
+        """
         hungry = self._hungry
         while hungry and n > 0:
             sub = next(iter(hungry))
             del hungry[sub]
-            sub.consumer.wake()
-            n -= max(sub.room(n), 1)
+            room = sub.room(n)
+            if room > 0:
+                sub.consumer.wake()
+                n -= room
 
     def wake_all(self) -> None:
         for sub in list(self.subscriptions.values()):
@@ -449,16 +462,35 @@ class Channel:
         return taken
 
     def _take_disk(self, n: int, pieces: list[Piece], now_ns: int) -> int:
+        """Up to ``n`` messages from disk, reading on past the records set aside.
+
+        A deferred record not yet due (or an undecodable one) is no message
+        to deliver, and a take that stopped at it would leave the consumer
+        hungry with deliverable messages behind it. It reads on only while
+        records are set aside, up to the records there were when it started:
+        a deferred one may be written back behind them (:meth:`_defer`).
+        """
+        left = self.backend.depth
+        taken = 0
+        while True:
+            got, read = self._read_disk(n - taken, pieces, now_ns)
+            taken += got
+            left -= read
+            if got == read or taken >= n or left <= 0:
+                return taken
+
+    def _read_disk(self, n: int, pieces: list[Piece], now_ns: int) -> tuple[int, int]:
+        """One read of up to ``n`` records: (messages to deliver, records read)."""
         try:
             payloads, positions = self.backend.read_positioned(n)
         except DiskQueueError as exc:
             log.error("cannot read the channel's disk queue", channel=self.name, topic=self.topic_name,
                       error=str(exc))
-            return 0
+            return 0, 0
         if not self._notes and set(map(_KIND, payloads)) <= _PLAIN:  # frames as stored: used as they are
             if payloads:
                 pieces.append((list(map(message.frame_id_of, payloads)), payloads, positions))
-            return len(payloads)
+            return len(payloads), len(payloads)
         frames: list[bytes] = []
         kept: list[int] = []
         for payload, pos in zip(payloads, positions):
@@ -469,7 +501,7 @@ class Channel:
         if frames:
             pieces.append((list(map(message.frame_id_of, frames)), frames,
                            kept if len(kept) == len(positions) else tuple(kept)))
-        return len(frames)
+        return len(frames), len(payloads)
 
     def _decode(self, payload: bytes, pos: int, now_ns: int) -> bytes | None:
         """A read record as a frame to deliver now; None if it is deferred, held or undecodable."""
@@ -624,8 +656,13 @@ class Channel:
                 log.error("deferred message kept in memory", channel=self.name, error=str(exc))
             else:
                 self._deferred_on_disk += 1
+                self._due_on_disk(due_ns)
                 return
         heapq.heappush(self._deferred, (due_ns, next(self._seq), frame, pos))
+
+    def _due_on_disk(self, due_ns: int) -> None:
+        if self._disk_due_ns is None or due_ns < self._disk_due_ns:
+            self._disk_due_ns = due_ns
 
     # ------------------------------------------------------------ queue scan
     def process_in_flight(self, now_ns: int) -> bool:
@@ -655,10 +692,18 @@ class Channel:
         self._give_back(items)
 
     def process_deferred(self, now_ns: int) -> bool:
-        """Move deferred messages that are due to the queue; True if there was any."""
+        """Move deferred messages that are due to the queue; True if there was any.
+
+        Those on disk stay there, in the queue's order, until a take reads
+        them: once the first of them is due, hungry consumers are woken to.
+        """
+        disk_due = self._disk_due_ns is not None and self._disk_due_ns <= now_ns
+        if disk_due:
+            self._disk_due_ns = None
+            self._wake(max(self._deferred_on_disk, 1))
         deferred = self._deferred
         if not deferred or deferred[0][0] > now_ns:
-            return False
+            return disk_due
         due: list[Item] = []
         while deferred and deferred[0][0] <= now_ns:
             _, _, frame, pos = heapq.heappop(deferred)
@@ -685,12 +730,17 @@ class Channel:
         self.wake_all()
 
     def empty(self) -> None:
-        """Drop every queued, deferred and in-flight message (as nsqd's Empty)."""
+        """Drop every queued, deferred and in-flight message (as nsqd's Empty).
+
+        Consumers are woken: the in-flight messages they lost gave them room
+        again, and one whose RDY they filled is not hungry, so no publish would.
+        """
         self._chunks.clear()
         self._head = 0
         self._mem_count = self._mem_bytes = 0
         self._deferred.clear()
         self._deferred_on_disk = 0
+        self._disk_due_ns = None
         for sub in self.subscriptions.values():
             sub.in_flight.clear()
         self.leases.clear()
@@ -700,6 +750,7 @@ class Channel:
         if self.backend is not None:
             self.backend.empty()
         self._room_made()
+        self.wake_all()
 
     # -------------------------------------------------------- durability
     def _kept(self) -> tuple[list, int]:

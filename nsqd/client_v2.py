@@ -28,8 +28,9 @@ STATE_CLOSING = 4
 
 _CLOSE_WAIT = message.encode_response(b"CLOSE_WAIT")
 
-#: a client with messages in flight refills only once this share of RDY is free,
-#: so a busy consumer gets big batches instead of one message per FIN
+#: a client with messages in flight refills only once this share of RDY is free, so a busy
+#: consumer gets big batches instead of one message per FIN; a smaller refill waits at most
+#: output_buffer_timeout (a consumer that holds what it has must still get what RDY allows)
 MIN_REFILL_FRACTION = 8
 
 
@@ -68,6 +69,8 @@ class ClientV2:
         self.out: list[bytes] = []
         #: a frame other than a message is waiting (a response, an error, a heartbeat): write at once
         self.flush_now = False
+        #: when a refill smaller than a batch was first put off (None: none is); see :meth:`fill`
+        self.refill_put_off_ns: int | None = None
         self.exit_requested = False
         #: set by the I/O layer: wake the task that writes to this client
         self.on_wake: Callable[[], None] = _noop
@@ -128,18 +131,36 @@ class ClientV2:
         """Nothing to do: the channel counts timeouts on the subscription."""
 
     def fill(self, now_ns: int) -> None:
-        """Take messages from the subscription while RDY allows, into :attr:`out`."""
+        """Take messages from the subscription while RDY allows, into :attr:`out`.
+
+        A refill smaller than ``1 / MIN_REFILL_FRACTION`` of RDY waits for
+        more room, at most ``output_buffer_timeout`` (as nsqd's buffered
+        writer holds messages); then what it takes is written at once.
+        """
+        put_off, self.refill_put_off_ns = self.refill_put_off_ns, None  # kept only while it still waits
         sub = self.sub
         if sub is None or self.state != STATE_SUBSCRIBED:
             return
         ready = self.budget.limit
         in_flight = sub.in_flight_count
         free = ready - in_flight
-        if free <= 0 or (in_flight and free * MIN_REFILL_FRACTION < ready):
+        if free <= 0:
             return
-        extend = self.out.extend
+        waited = in_flight and free * MIN_REFILL_FRACTION < ready
+        if waited and self.output_buffer_timeout_ns > 0:
+            if put_off is None:  # the writer is woken to learn until when
+                self.refill_put_off_ns = now_ns
+                self.on_wake()
+                return
+            if now_ns - put_off < self.output_buffer_timeout_ns:
+                self.refill_put_off_ns = put_off
+                return
+        out = self.out
+        before = len(out)
         for _, frames, _ in sub.take(free, now_ns):
-            extend(frames)
+            out.extend(frames)
+        if waited and len(out) != before:
+            self.flush_now = True  # held long enough already
 
     def unsubscribe(self) -> None:
         """The connection is over: in-flight messages go back to the channel."""

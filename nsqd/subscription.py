@@ -126,7 +126,7 @@ class Subscription:
         if not pieces:
             return pieces
         if self.sample_rate:
-            pieces = self.channel.sample(pieces, self.sample_rate)
+            pieces = self._sampled(pieces, count, now_ns)
         add = (lease.in_flight if lease is not None else self.in_flight).add
         deadline = now_ns + (lease.timeout_ns if lease is not None else self.msg_timeout_ns)
         taken = 0
@@ -135,6 +135,26 @@ class Subscription:
             taken += len(ids)
         self.message_count += taken
         return pieces
+
+    def _sampled(self, pieces: list[Piece], count: int, now_ns: int) -> list[Piece]:
+        """The ``sample_rate`` share of ``pieces``, topped up from the channel for what was dropped.
+
+        As nsqd's pump reads on after a dropped message: a take whose messages
+        were all dropped must not leave this consumer waiting, since the
+        channel saw it served and does not count it hungry.
+        """
+        kept: list[Piece] = []
+        while pieces:
+            sampled = self.channel.sample(pieces, self.sample_rate)
+            kept += sampled
+            got = sum(len(ids) for ids, _, _ in sampled)
+            if got == sum(len(ids) for ids, _, _ in pieces):  # nothing dropped: the channel gave what it had
+                break
+            count -= got
+            if count <= 0:
+                break
+            pieces = self.channel.take(count, self, now_ns)
+        return kept
 
     # ---------------------------------------------------------------- settle
     def finish(self, ids: list[bytes]) -> list[tuple[bytes, str]]:

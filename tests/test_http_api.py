@@ -363,6 +363,19 @@ async def test_channel_not_found(http):
         assert_error(await http.post(f"/channel/{action}?topic=t&channel=nope"), 404, "CHANNEL_NOT_FOUND")
 
 
+async def test_a_consumer_whose_messages_an_empty_dropped_gets_the_next_at_once(nsqd_server, http):
+    """/channel/empty drops the messages in flight too (as nsqd's Empty): a consumer whose RDY
+    they filled has room again and gets the next message, not at its next heartbeat (30 s)."""
+    publisher = await NSQConnection.open(tcp_port(nsqd_server))
+    consumer = await NSQConnection.open(tcp_port(nsqd_server))
+    await consumer.sub("t", "c")
+    await consumer.command("RDY 2")
+    await publisher.mpub("t", [b"1", b"2"])
+    [await consumer.read_message() for _ in range(2)]
+    assert_ok_empty(await http.post("/channel/empty?topic=t&channel=c"))
+    await publisher.pub("t", b"3")
+    assert (await consumer.read_message(timeout=3)).body == b"3"
+
 async def test_handler_exception_becomes_logged_json_500(nsqd_server, http):
     assert_ok_empty(await http.post("/topic/create?topic=t"))
 

@@ -11,6 +11,10 @@ from nsqd.protocol_v2 import HEARTBEAT  # noqa: F401  (the frame the daemon send
 from .support import FRAME_ERROR, NSQConnection, mpub_body, running_nsqd, tcp_port
 
 
+def pub_command(topic: str, body: bytes) -> bytes:
+    return f"PUB {topic}\n".encode() + struct.pack(">i", len(body)) + body
+
+
 async def subscriber(nsqd, topic, channel, rdy=None, **identify):
     conn = await NSQConnection.open(tcp_port(nsqd))
     if identify:
@@ -406,3 +410,83 @@ async def test_output_buffer_settings_batch_messages_as_nsqd_does(tmp_path):
         start = trio.current_time()
         got = [await buffered.read_message(timeout=3) for _ in range(64)]
         assert trio.current_time() - start < 0.5 and len(got) == 64
+
+
+async def test_a_consumer_that_set_rdy_0_does_not_keep_a_message_from_an_idle_one(tmp_path):
+    """Both consumers waited for messages; the first then sent RDY 0. The next message is
+    the second's at once, not at its next heartbeat (30 s)."""
+    async with running_nsqd(tmp_path) as nsqd:
+        paused = await subscriber(nsqd, "t", "c", rdy=1)
+        idle = await subscriber(nsqd, "t", "c", rdy=1)
+        await paused.send(b"RDY 0\n" + pub_command("elsewhere", b"-"))
+        await paused.expect_response()  # answered after RDY 0 ran
+        publisher = await NSQConnection.open(tcp_port(nsqd))
+        await publisher.pub("t", b"x")
+        assert (await idle.read_message(timeout=3)).body == b"x"
+
+
+async def test_a_sampling_consumer_is_not_stalled_by_a_batch_it_sampled_away(tmp_path):
+    """sample_rate drops messages for this consumer; when all it took were dropped it takes
+    again at once (nsqd's pump reads on), not at its next heartbeat (30 s)."""
+    async with running_nsqd(tmp_path) as nsqd:
+        publisher = await NSQConnection.open(tcp_port(nsqd))
+        await publisher.mpub("t", [b"%d" % i for i in range(400)])
+        sub = await subscriber(nsqd, "t", "c", rdy=1, sample_rate=50)
+        for _ in range(20):  # each take of one message is dropped half the time
+            msg = await sub.read_message(timeout=3)
+            await sub.command(b"FIN " + msg.id)
+
+
+async def test_deferred_messages_on_disk_do_not_hide_a_ready_one_behind_them(tmp_path):
+    """With --mem-queue-size=0 deferred messages wait on disk, in the queue's order: a
+    consumer's take reads on past those not yet due to the message that is."""
+    async with running_nsqd(tmp_path, mem_queue_size=0) as nsqd:
+        publisher = await NSQConnection.open(tcp_port(nsqd))
+        await publisher.sub("t", "c")  # the channel exists; this connection never sends RDY
+        for _ in range(3):
+            await publisher.dpub("t", 60_000, b"later")
+        await publisher.pub("t", b"now")
+        sub = await subscriber(nsqd, "t", "c", rdy=1)
+        assert (await sub.read_message(timeout=3)).body == b"now"
+
+
+async def test_a_deferred_message_on_disk_is_delivered_when_due(tmp_path):
+    """A deferred message that waits on disk (past the memory bound) wakes an idle consumer when due."""
+    async with running_nsqd(tmp_path, mem_queue_size=0) as nsqd:
+        publisher = await NSQConnection.open(tcp_port(nsqd))
+        await publisher.sub("t", "c")
+        await publisher.dpub("t", 60_000, b"later")  # the one deferred message kept in memory
+        await publisher.dpub("t", 200, b"soon")  # on disk
+        sub = await subscriber(nsqd, "t", "c", rdy=1)
+        start = trio.current_time()
+        assert (await sub.read_message(timeout=3)).body == b"soon"
+        assert trio.current_time() - start < 1
+
+
+async def test_a_consumer_holding_messages_gets_one_more_while_in_flight_is_below_rdy(tmp_path):
+    """RDY 10 and 9 held: the tenth is sent (messages are pushed while in flight < RDY),
+    within output_buffer_timeout (250 ms), though the consumer frees no eighth of its RDY."""
+    async with running_nsqd(tmp_path) as nsqd:
+        sub = await subscriber(nsqd, "t", "c", rdy=10)
+        publisher = await NSQConnection.open(tcp_port(nsqd))
+        await publisher.mpub("t", [b"%d" % i for i in range(9)])
+        held = [await sub.read_message(timeout=3) for _ in range(9)]
+        start = trio.current_time()
+        await publisher.pub("t", b"tenth")
+        assert (await sub.read_message(timeout=3)).body == b"tenth"
+        assert trio.current_time() - start < 1
+        assert len({m.id for m in held}) == 9
+
+
+async def test_a_consumer_that_frees_less_than_an_eighth_of_rdy_is_refilled_from_a_backlog(tmp_path):
+    """RDY 16, all 16 held, one FIN: the refill of one waits for more room, but not longer
+    than output_buffer_timeout (250 ms), however long the consumer holds the other 15."""
+    async with running_nsqd(tmp_path) as nsqd:
+        publisher = await NSQConnection.open(tcp_port(nsqd))
+        await publisher.mpub("t", [b"%d" % i for i in range(40)])
+        sub = await subscriber(nsqd, "t", "c", rdy=16)
+        held = [await sub.read_message(timeout=3) for _ in range(16)]
+        start = trio.current_time()
+        await sub.command(b"FIN " + held[0].id)
+        assert (await sub.read_message(timeout=3)).body == b"16"
+        assert trio.current_time() - start < 1
