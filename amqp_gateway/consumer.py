@@ -85,6 +85,16 @@ class LinkConsumer:
         return self.sub.requeue_count
 
     # ------------------------------------------------------ channel consumer
+    def ready(self) -> int:
+        """What a fill could take now, the budget aside: the credit within the session's window.
+
+        A link the peer stopped (credit 0) is thus not woken in place of a
+        consumer that can take the messages; the flow that gives it credit
+        again wakes its writer, whose fill asks the channel anew.
+        """
+        link = self.link
+        return min(link.credit, link.session.outgoing_room)
+
     def wake(self) -> None:
         self.on_wake()
 

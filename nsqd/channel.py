@@ -355,15 +355,16 @@ class Channel:
     def _wake(self, n: int) -> None:
         """Wake hungry subscriptions with room for ``n`` new messages, first come first.
 
-        One whose room is gone since it went hungry (RDY 0, CLS, a lower RDY)
-        is dropped without counting: its next fill, when it has room again,
-        asks anew; counted, it would keep the messages from the others.
+        One whose room is gone since it went hungry (RDY 0, CLS, a lower RDY,
+        an AMQP link whose credit went to 0) is dropped without counting: its
+        next fill, when it has room again, asks anew; counted, it would keep
+        the messages from the others.
         """
         hungry = self._hungry
         while hungry and n > 0:
             sub = next(iter(hungry))
             del hungry[sub]
-            room = sub.room(n)
+            room = sub.wake_room(n)
             if room > 0:
                 sub.consumer.wake()
                 n -= room

@@ -124,13 +124,25 @@ class Leases:
         return self.by_name.get(name)
 
     def expire(self, now_ns: int) -> list[Item]:
-        """Timed-out messages of every lease; leases left empty and sealed go."""
+        """Timed-out messages of every lease; leases left empty and sealed go.
+
+        The holder of a lease that lost messages is woken, as a subscription
+        whose messages timed out is: its budget has room again, and it may
+        not be among the channel's hungry consumers (it had taken all it
+        asked for), so no arrival would wake it.
+        """
         expired: list[Item] = []
         for lease in list(self.by_name.values()):
             items = lease.in_flight.expire(now_ns)
+            if not items:
+                if lease.sealed and not lease.in_flight:
+                    self._drop(lease)
+                continue
             expired += items
-            if not lease.in_flight and (lease.sealed or items):
-                self._drop(lease)
+            if not lease.in_flight:
+                self._drop(lease)  # wakes the holder
+            elif lease.holder is not None:
+                lease.holder.consumer.wake()
         return expired
 
     def _drop(self, lease: Lease) -> None:

@@ -41,6 +41,10 @@ class Consumer(Protocol):
     def timed_out(self, count: int) -> None:
         """``count`` messages this consumer held timed out (they go back to the channel)."""
 
+    # Optional: ``ready() -> int``, how many messages the consumer would take now apart from
+    # its budget (an AMQP link: its credit within the session's window). Without it the budget
+    # is all (an NSQ client: RDY is its budget's limit).
+
 
 class Budget:
     """One connection's in-flight allowance, shared by its subscriptions."""
@@ -76,6 +80,8 @@ class Subscription:
         self.msg_timeout_ns = msg_timeout_ns
         self.max_msg_timeout_ns = max_msg_timeout_ns
         self.in_flight = InFlight()
+        #: the consumer's ``ready`` (see :class:`Consumer`), or None: what a wake-up can count on
+        self._ready = getattr(consumer, "ready", None)
         #: the lease deliveries go to (the lease extension), and every lease this subscription opened
         self.lease: Lease | None = None
         self.leases: set[Lease] = set()
@@ -112,6 +118,15 @@ class Subscription:
         budget = self.budget
         used = budget.used if len(budget.subscriptions) > 1 else self.in_flight_count
         return max(min(want, budget.limit - used), 0)
+
+    def wake_room(self, want: int) -> int:
+        """How many of ``want`` new messages a wake-up would get taken: the room, within what
+        the consumer is ready for (an AMQP link whose credit went to 0 takes nothing)."""
+        room = self.room(want)
+        ready = self._ready
+        if ready is not None and room > 0:
+            room = max(min(room, ready()), 0)
+        return room
 
     # ------------------------------------------------------------------ take
     def take(self, count: int, now_ns: int) -> list[Piece]:

@@ -17,7 +17,8 @@ from amqp_gateway.sections import Data, Header, Message, decode_message, encode_
 from amqp_gateway.server import serve_amqp
 from nsqd import message
 
-from .support import running_nsqd
+from .support import NSQConnection, running_nsqd, tcp_port
+from .test_protocol_v2 import pub_command
 
 
 class Client:
@@ -486,3 +487,46 @@ async def test_a_starved_publisher_is_woken_when_room_is_made_not_polled(tmp_pat
             while sender.credit == 0:
                 await client.read()
         assert sender.credit == 5
+
+
+# ------------------------------------------------------------ wake-ups
+async def test_a_link_whose_credit_went_to_0_does_not_keep_a_message_from_an_idle_nsq_consumer(tmp_path):
+    """An AMQP link waited for messages with credit, then its peer set the credit to 0; an
+    NSQ consumer with RDY 1 waits behind it. The next message is the NSQ consumer's at once."""
+    async with gateway(tmp_path) as nsqd:
+        nsqd.declare("t", "c")
+        client = await Client.connect(nsqd.amqp_port)
+        link = await client.attach(p.RECEIVER, "/topics/t/channels/c")
+        link.flow(1, echo=True)
+        await client.until(lambda: client.take(ev.LinkFlow, link))   # it asked and got nothing: hungry
+        idle = await NSQConnection.open(tcp_port(nsqd))
+        await idle.sub("t", "c")
+        await idle.command("RDY 1")
+        await idle.send(pub_command("elsewhere", b"-"))
+        await idle.expect_response()  # answered after RDY 1 ran: hungry too
+        link.flow(0, echo=True)
+        await client.until(lambda: client.take(ev.LinkFlow, link))   # credit 0 is in force
+        publisher = await NSQConnection.open(tcp_port(nsqd))
+        await publisher.pub("t", b"x")
+        assert (await idle.read_message(timeout=3)).body == b"x"
+        assert not client.deliveries(link)
+
+
+async def test_a_link_whose_credit_went_to_0_does_not_keep_a_message_from_an_idle_link(tmp_path):
+    """The same with two AMQP links on two connections: the one that still has credit gets it."""
+    async with gateway(tmp_path) as nsqd:
+        nsqd.declare("t", "c")
+        stopped_client = await Client.connect(nsqd.amqp_port)
+        stopped = await stopped_client.attach(p.RECEIVER, "/topics/t/channels/c")
+        stopped.flow(1, echo=True)
+        await stopped_client.until(lambda: stopped_client.take(ev.LinkFlow, stopped))
+        idle_client = await Client.connect(nsqd.amqp_port)
+        idle = await idle_client.attach(p.RECEIVER, "/topics/t/channels/c")
+        idle.flow(1, echo=True)
+        await idle_client.until(lambda: idle_client.take(ev.LinkFlow, idle))
+        stopped.flow(0, echo=True)
+        await stopped_client.until(lambda: stopped_client.take(ev.LinkFlow, stopped))
+        publisher = await NSQConnection.open(tcp_port(nsqd))
+        await publisher.pub("t", b"x")
+        await idle_client.until(lambda: any(isinstance(e, ev.Transfers) for e in idle_client.events), timeout=3)
+        assert [body_of(d) for d in idle_client.deliveries(idle)] == [b"x"]

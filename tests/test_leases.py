@@ -153,3 +153,23 @@ async def test_a_lease_survives_a_graceful_restart(tmp_path):
 
 async def test_a_lease_survives_a_crash_in_durable_mode(tmp_path):
     await restart_keeps_the_lease(tmp_path, ["--durable", "--sync-timeout=100ms"], signal.SIGKILL)
+
+
+async def test_a_lease_message_that_timed_out_comes_back_to_its_holder_at_once(tmp_path):
+    """The holder's lease had two messages taken 1.5 s apart; the first times out. Its budget
+    has room again: it gets the message back at the next queue scan, not once the second
+    times out too (the lease empties) or something else wakes it."""
+    async with running_nsqd(tmp_path, queue_scan_interval=0.02) as nsqd:
+        holder = await lease_consumer(nsqd, msg_timeout=2000)
+        await holder.mpub("t", [b"0", b"1"])
+        await lease_command(holder, "LEASE L")
+        await holder.command("RDY 1")
+        first = await holder.read_message()
+        await trio.sleep(1.5)
+        await holder.command("RDY 2")
+        second = await holder.read_message()
+        assert second.body == b"1"
+        start = trio.current_time()
+        again = await holder.read_message(timeout=1.5)  # due 0.5 s from now; the second expires in 2 s
+        assert (again.id, again.attempts) == (first.id, 2)
+        assert trio.current_time() - start < 1.2
