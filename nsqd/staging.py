@@ -39,36 +39,34 @@ log = structlog.get_logger("nsqd.staging")
 class StagedPublish:
     """One staged publish: what a :class:`~nsqd.broker.Receipt` is to the front end, settled by the flush."""
 
-    __slots__ = ("bodies", "count", "_settled", "_error", "_callback", "_event")
-
-    #: never confirmed when staged: the answer waits for the flush
-    confirmed = False
+    __slots__ = ("bodies", "count", "settled", "_error", "_callback", "_event")
 
     def __init__(self, bodies: list) -> None:
         self.bodies = bodies
         self.count = len(bodies)
-        self._settled = False
+        #: stored or refused (by the flush, or the fsync after it)
+        self.settled = False
         self._error: PublishError | None = None
         self._callback: Callable[[PublishError | None], None] | None = None
         self._event: trio.Event | None = None
 
     def on_settled(self, callback: Callable[[PublishError | None], None]) -> None:
         """Call ``callback`` once stored (None) or refused (the error); at once if settled."""
-        if self._settled:
+        if self.settled:
             callback(self._error)
         else:
             self._callback = callback
 
     async def wait(self) -> None:
         """Return once stored; raises PublishError if refused."""
-        if not self._settled:
+        if not self.settled:
             self._event = trio.Event()
             await self._event.wait()
         if self._error is not None:
             raise self._error
 
     def settle(self, error: PublishError | None) -> None:
-        self._settled = True
+        self.settled = True
         self._error = error
         callback, self._callback = self._callback, None
         if callback is not None:
@@ -108,7 +106,7 @@ class PublishBatch:
                 log.error("staged publishes failed", topic=topic_name, exc_info=exc)
                 error = PublishError("internal error", kind="storage")
                 for item in items:
-                    if not item._settled:
+                    if not item.settled:
                         item.settle(error)
 
     def _publish(self, topic_name: str, items: list[StagedPublish]) -> None:
