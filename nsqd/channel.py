@@ -222,7 +222,9 @@ class Channel:
             self._on_last_consumer_gone(self)
 
     def settled(self) -> None:
-        """In-flight messages were finished, given back or timed out."""
+        """In-flight messages were finished, given back or timed out: the disk queue checkpoints that."""
+        if self.backend is not None:
+            self.backend.kept_changed()
         if self.on_settled is not None:
             self.on_settled()
 
@@ -265,8 +267,10 @@ class Channel:
 
     def _prepare_deferred(self, ids, frames, durable, due_ns) -> PendingPut:
         backend = self.backend
-        room = max(max(self.mem_queue_size, 1) - len(self._deferred), 0)
-        keep = min(len(frames), room)
+        # with a disk queue, --mem-queue-size=0 writes deferred messages to disk too (its promise);
+        # without one the heap keeps at least one
+        bound = self.mem_queue_size if backend is not None else max(self.mem_queue_size, 1)
+        keep = min(len(frames), max(bound - len(self._deferred), 0))
         if backend is None:
             return PendingPut(self, ids, frames, keep, None, None, due_ns)
         mark = backend.mark()
@@ -891,7 +895,10 @@ class _Notes:
     def __init__(self, kept) -> None:
         noted = sorted(((first, last, note) for first, last, note in kept if isinstance(note, dict)),
                        key=lambda k: (k[0], k[1]))
-        self._single = {first: note for first, last, note in noted if first == last}
+        self._single: dict[int, dict] = {}
+        for first, last, note in noted:  # a record may have several notes (due time, revised attempts): all apply
+            if first == last:
+                self._single[first] = {**self._single.get(first, {}), **note}
         self._ranges = [(first, last, note) for first, last, note in noted if first != last]
         self._starts = [first for first, _, _ in self._ranges]
         self._end = max((last for _, last, _ in noted), default=-1)

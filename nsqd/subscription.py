@@ -184,8 +184,7 @@ class Subscription:
         self.finish_count += len(ids) - len(missing)
         if channel.failed or channel.released:
             channel.forget(ids)
-        if channel.on_settled is not None:
-            channel.settled()
+        channel.settled()
         if missing:
             return [(msg_id, self._reason(msg_id)) for msg_id in missing]
         return []
@@ -296,6 +295,7 @@ class Subscription:
         self.finish_count += len(ids)
         if self.channel.failed or self.channel.released:
             self.channel.forget(ids)
+        self.channel.settled()
 
     def _reason(self, msg_id: bytes) -> str:
         return NOT_OWNED if self.channel.holds_elsewhere(msg_id, self) else NOT_IN_FLIGHT

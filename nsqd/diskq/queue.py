@@ -468,6 +468,14 @@ class DiskQueue:
         """
         self._run_scheduled = True
 
+    def kept_changed(self) -> None:
+        """The keeper's view changed (a message finished or given back): the next periodic checkpoint saves it.
+
+        Without this a FIN after a quiet period was never checkpointed, so a
+        crash delivered it again however long ago it was finished.
+        """
+        self._metadata_dirty = True
+
     def request_checkpoint(self) -> None:
         """Save the keeper's view soon (the owner finished many records)."""
         self._metadata_dirty = True

@@ -1,0 +1,54 @@
+"""What a SIGKILL leaves of queues whose messages were deferred, finished or given back (docs/durability.md)."""
+
+import signal
+import time
+
+import trio
+
+from .support import Daemon, NSQConnection
+
+
+async def restarted(tmp_path, *flags) -> tuple[Daemon, NSQConnection]:
+    daemon = Daemon(tmp_path, *flags)
+    await daemon.wait_ready()
+    conn = await NSQConnection.open(daemon.port)
+    await conn.sub("t", "c")
+    return daemon, conn
+
+
+async def test_a_dpub_with_mem_queue_size_0_survives_sigkill_with_its_due_time(tmp_path):
+    # --mem-queue-size=0 promises "nothing confirmed lost, in-flight and deferred messages included"
+    flags = ("--mem-queue-size=0", "--sync-timeout=100ms")
+    daemon, conn = await restarted(tmp_path, *flags)
+    await conn.dpub("t", 2500, b"later")
+    published = time.monotonic()
+    await trio.sleep(0.5)
+    assert await daemon.stop(signal.SIGKILL) == -signal.SIGKILL
+
+    daemon, conn = await restarted(tmp_path, *flags)
+    await conn.command("RDY 10")
+    msg = await conn.read_message(timeout=5)
+    assert (msg.body, msg.attempts) == (b"later", 1)
+    assert time.monotonic() - published >= 2.4
+    assert await daemon.stop() == 0
+
+
+async def test_fin_and_req_after_a_quiet_period_are_checkpointed_before_sigkill(tmp_path):
+    # "within --sync-timeout of a quiet period none at all" are delivered again
+    flags = ("--mem-queue-size=0", "--sync-timeout=100ms")
+    daemon, conn = await restarted(tmp_path, *flags)
+    await conn.mpub("t", [b"finished", b"requeued"])
+    await conn.command("RDY 2")
+    finished, requeued = [await conn.read_message() for _ in range(2)]
+    await trio.sleep(0.5)  # the reads are checkpointed while the messages are in flight
+    await conn.command(b"FIN " + finished.id)
+    await conn.command(b"REQ " + requeued.id + b" 60000")
+    await trio.sleep(0.6)  # six sync timeouts
+    assert await daemon.stop(signal.SIGKILL) == -signal.SIGKILL
+
+    daemon, conn = await restarted(tmp_path, *flags)
+    await conn.pub("t", b"marker")
+    await conn.command("RDY 10")
+    msg = await conn.read_message(timeout=3)
+    assert msg.body == b"marker"  # neither the finished nor the requeued (not yet due) one came back
+    assert await daemon.stop() == 0
