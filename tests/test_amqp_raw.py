@@ -378,6 +378,20 @@ async def test_credit_for_publishing_does_not_wait_behind_held_back_transfers(tm
         assert await client.publish(sender, [b"x"]) == [p.Accepted()]
 
 
+async def test_a_drain_on_an_empty_channel_is_answered_while_the_window_is_closed(tmp_path):
+    """A flow is not a transfer: the session window does not hold back the answer to a drain."""
+    async with gateway(tmp_path) as nsqd:
+        put(nsqd, "t", "c", [b"a", b"b"])
+        client = await narrow_window_client(nsqd, window=2)
+        link = await client.attach(p.RECEIVER, "/topics/t/channels/c")
+        link.flow(2)
+        await client.until(lambda: client.session.next_incoming_id == 2)
+        assert client.session.incoming_window == 0   # the two transfers used it up
+        link.flow(5, drain=True)
+        await client.until(lambda: client.take(ev.LinkFlow, link), timeout=3)
+        assert (link.credit, link.delivery_count) == (0, 7)
+
+
 async def test_huge_credit_never_takes_more_than_the_socket_drains_nor_the_budget(tmp_path):
     async with gateway(tmp_path, mem_queue_size=5000) as nsqd:
         total = 3000
