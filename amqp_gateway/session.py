@@ -177,8 +177,11 @@ class Session:
         return link
 
     def _free_handle(self) -> int:
+        """The lowest handle not in use, nor named by a detach still queued behind transfers
+        (an attach that reused it would reach the peer before that detach)."""
+        queued = {item[0].handle for item in self.pending if type(item) is tuple and type(item[0]) is Detach}
         for handle in range(min(HANDLE_MAX, self.remote_handle_max) + 1):
-            if handle not in self.by_handle:
+            if handle not in self.by_handle and handle not in queued:
                 return handle
         raise SessionFault(NOT_ALLOWED, "no free link handle")
 
