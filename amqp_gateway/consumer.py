@@ -129,8 +129,10 @@ class LinkConsumer:
             if pieces:
                 sent = self._send(pieces)
         link.available = sub.available
-        if link.drain and link.credit > 0 and sent < want:
-            link.complete_drain()  # the channel ran dry: the rest of the credit is used up
+        # the channel ran dry: the rest of the credit is used up (a flow needs no room in the
+        # session window, so a drain is answered even while the window holds transfers back)
+        if link.drain and link.credit > 0 and (sent < want or not link.available):
+            link.complete_drain()
             self.echo = False
         elif self.echo:
             self.echo = False

@@ -105,7 +105,7 @@ class Link:
         if self.detach_sent:
             return
         self.detach_sent = True
-        self.session.send(Detach(self.handle, closed, error))
+        self.session.send_link_frame(self, Detach(self.handle, closed, error))
         self.session.link_detached(self)
 
     # -------------------------------------------------------------- flow

@@ -6,7 +6,10 @@ the gateway slows publishers per link with link credit, never per session,
 so a slow topic cannot stall the other links of a session. Our outgoing
 transfers respect the peer's incoming window; frames beyond it wait in
 :attr:`Session.pending` (bounded by what the caller sends: at most a batch
-per link) until a flow widens the window.
+per link) until a flow widens the window. The flows and the detach of a
+link we send on queue up behind them: sent earlier, a detach would leave
+them on an unattached handle and a flow would count transfers the peer has
+not seen. Credit we grant the peer never waits.
 
 Deliveries we send unsettled are remembered by delivery-id until the peer
 settles them; a disposition for a range ``first..last`` is resolved against
@@ -25,6 +28,7 @@ from .errors import (
     WINDOW_VIOLATION, SessionFault,
 )
 from .events import LinkAttached, LinkAttaching, LinkDetached, LinkFlow, SessionFlow, Settled, Transfers
+from .framing import encode_frame
 from .link import Link
 from .performatives import (
     RECEIVER, SENDER, TERMINAL_OUTCOMES, Attach, Begin, Detach, Disposition, End, Error, Flow,
@@ -53,7 +57,8 @@ class Session:
         self.next_incoming_id = 0
         self.remote_incoming_window = 0
         self.remote_handle_max = HANDLE_MAX
-        self.pending: deque[bytes] = deque()
+        #: transfer frames beyond the peer's window; a 1-tuple holds a link's flow or detach that follows them
+        self.pending: deque[bytes | tuple[Any]] = deque()
         # links; ours that wait for the peer's attach are also found by (name, role)
         self._awaiting: dict[tuple[str, bool], Link] = {}
         self.by_handle: dict[int, Link] = {}
@@ -86,6 +91,14 @@ class Session:
         self.pending.clear()
         self.send(End(error))
 
+    def send_link_frame(self, link: Link, performative: Any) -> None:
+        """A link's flow or detach: after the transfers still waiting for the peer's window if the
+        link is a sender (a receiving link's credit never waits for the other direction)."""
+        if self.pending and link.role is SENDER:
+            self.pending.append((performative,))
+        else:
+            self.send(performative)
+
     def send_flow(self, link: Link | None = None, echo: bool = False) -> None:
         flow = Flow(self.next_incoming_id, self.incoming_window, self.next_outgoing_id, OUTGOING_WINDOW,
                     echo=echo)
@@ -96,6 +109,8 @@ class Session:
             flow.drain = link.drain
             if link.role is SENDER:
                 flow.available = link.available
+            self.send_link_frame(link, flow)
+            return
         self.send(flow)
 
     def frames_sent(self, count: int) -> None:
@@ -119,10 +134,27 @@ class Session:
         pending = self.pending
         out = self.connection.output
         sent = 0
-        while pending and sent < self.remote_incoming_window:
-            out.append(pending.popleft())
-            sent += 1
+        while pending:
+            frame = pending[0]
+            if type(frame) is tuple:  # a link frame: the window does not count it
+                self.frames_sent(sent)
+                sent = 0
+                out.append(self._link_frame(frame[0]))
+            elif sent < self.remote_incoming_window:
+                out.append(frame)
+                sent += 1
+            else:
+                break
+            pending.popleft()
         self.frames_sent(sent)
+
+    def _link_frame(self, performative: Any) -> bytes:
+        """A queued link frame; a flow carries the session's state as it is now, not when it was queued."""
+        if type(performative) is Flow:
+            performative.next_incoming_id = self.next_incoming_id
+            performative.incoming_window = self.incoming_window
+            performative.next_outgoing_id = self.next_outgoing_id
+        return encode_frame(self.channel, performative.encode_amqp())
 
     def keep_window_open(self) -> None:
         """Refresh our incoming window once half of it is used."""
@@ -145,8 +177,11 @@ class Session:
         return link
 
     def _free_handle(self) -> int:
+        """The lowest handle not in use, nor named by a detach still queued behind transfers
+        (an attach that reused it would reach the peer before that detach)."""
+        queued = {item[0].handle for item in self.pending if type(item) is tuple and type(item[0]) is Detach}
         for handle in range(min(HANDLE_MAX, self.remote_handle_max) + 1):
-            if handle not in self.by_handle:
+            if handle not in self.by_handle and handle not in queued:
                 return handle
         raise SessionFault(NOT_ALLOWED, "no free link handle")
 

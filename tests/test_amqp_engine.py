@@ -292,6 +292,33 @@ def test_frames_beyond_the_peers_window_wait_for_its_flow():
     assert sum(len(e.deliveries) for e in pair.take("server", ev.Transfers)) == 2
 
 
+def test_a_handle_is_not_reused_while_its_detach_waits_behind_held_back_transfers():
+    """Our answer to the peer's detach waits behind transfers beyond the peer's window; a link
+    attached meanwhile must not take that handle, or its attach would come before the detach."""
+    pair = Pair()
+    client_link, server_link = pair.link()
+    server_link.flow(credit=10)
+    pair.exchange()
+    session = client_link.session
+    session.remote_incoming_window = 1
+    client_link.send_transfers([b"0", b"1", b"2"], [b"x"] * 3, True)
+    server_link.detach()
+    pair.exchange()
+    assert client_link.detach_received and session.pending   # our detach is still queued
+    server_session = server_link.session
+    incoming = server_session.attach("next", p.RECEIVER)
+    incoming.attach(p.Source("/src"), p.Target("/dst"))
+    pair.exchange()
+    (attaching,) = pair.take("client", ev.LinkAttaching)
+    attaching.link.attach(p.Source("/src"), p.Target("/dst"))
+    pair.exchange()
+    assert attaching.link.handle != client_link.handle
+    assert incoming.attach_received and not pair.take("server", ev.SessionEnded)
+    server_session.send_flow()
+    pair.exchange()
+    assert not session.pending and server_link.detach_received
+
+
 # ------------------------------------------------------------ links
 def test_refused_link_gets_a_null_node_then_a_detach_with_the_error():
     pair = Pair()

@@ -315,6 +315,83 @@ async def test_session_incoming_window_is_honoured(tmp_path):
         assert link.credit == 85
 
 
+async def narrow_window_client(nsqd, window: int = 3) -> Client:
+    """A client with 512-byte frames whose session window holds ``window`` frames until it widens it."""
+    client = await Client.connect(nsqd.amqp_port, max_frame_size=512)
+    client.session.keep_window_open = lambda: None
+    client.session.incoming_window = window
+    client.session.send_flow()
+    return client
+
+
+def widen_window(client: Client) -> None:
+    client.session.incoming_window = 1000
+    client.session.send_flow()
+
+
+async def test_a_detach_comes_after_the_transfers_the_window_held_back(tmp_path):
+    """Two 2 KiB messages are ten 512-byte frames; a window of 3 holds seven back. The client
+    detaches meanwhile: our detach must follow those frames, never leave them on an unattached handle."""
+    async with gateway(tmp_path) as nsqd:
+        put(nsqd, "t", "c", [bytes(range(256)) * 8] * 2)
+        client = await narrow_window_client(nsqd)
+        link = await client.attach(p.RECEIVER, "/topics/t/channels/c")
+        link.flow(2)
+        await client.until(lambda: client.session.next_incoming_id == 3)
+        link.detach()
+        widen_window(client)
+        await client.until(lambda: link.detach_received, timeout=3)
+        await client.for_a_while(0.2)
+        assert not client.take(ev.SessionEnded) and not client.session.end_sent
+        other = await client.attach(p.RECEIVER, "/topics/t/channels/c", name="other")
+        other.flow(10)
+        await client.until(lambda: len(client.deliveries(other)) == 2, timeout=3)
+
+
+async def test_a_drain_flow_comes_after_the_transfers_the_window_held_back(tmp_path):
+    """A drain that runs the channel dry is answered with a flow whose delivery-count counts every
+    transfer: it must not reach the client before transfers the window still holds back."""
+    async with gateway(tmp_path) as nsqd:
+        body = bytes(range(256)) * 8
+        put(nsqd, "t", "c", [body] * 2)
+        client = await narrow_window_client(nsqd)
+        link = await client.attach(p.RECEIVER, "/topics/t/channels/c")
+        link.flow(5, drain=True)
+        await client.until(lambda: client.session.next_incoming_id == 3)
+        widen_window(client)
+        await client.until(lambda: client.take(ev.LinkFlow, link), timeout=3)
+        await client.for_a_while(0.2)
+        assert not client.take(ev.LinkDetached), "a transfer beyond the credit the flow left"
+        assert [body_of(d) for d in client.deliveries(link)] == [body, body]
+        assert (link.credit, link.delivery_count) == (0, 5)
+
+
+async def test_credit_for_publishing_does_not_wait_behind_held_back_transfers(tmp_path):
+    async with gateway(tmp_path) as nsqd:
+        put(nsqd, "t", "c", [bytes(range(256)) * 8] * 2)
+        client = await narrow_window_client(nsqd)
+        link = await client.attach(p.RECEIVER, "/topics/t/channels/c")
+        link.flow(2)
+        await client.until(lambda: client.session.next_incoming_id == 3)
+        sender = await client.attach(p.SENDER, "/topics/other")
+        await client.until(lambda: sender.credit > 0, timeout=3)
+        assert await client.publish(sender, [b"x"]) == [p.Accepted()]
+
+
+async def test_a_drain_on_an_empty_channel_is_answered_while_the_window_is_closed(tmp_path):
+    """A flow is not a transfer: the session window does not hold back the answer to a drain."""
+    async with gateway(tmp_path) as nsqd:
+        put(nsqd, "t", "c", [b"a", b"b"])
+        client = await narrow_window_client(nsqd, window=2)
+        link = await client.attach(p.RECEIVER, "/topics/t/channels/c")
+        link.flow(2)
+        await client.until(lambda: client.session.next_incoming_id == 2)
+        assert client.session.incoming_window == 0   # the two transfers used it up
+        link.flow(5, drain=True)
+        await client.until(lambda: client.take(ev.LinkFlow, link), timeout=3)
+        assert (link.credit, link.delivery_count) == (0, 7)
+
+
 async def test_huge_credit_never_takes_more_than_the_socket_drains_nor_the_budget(tmp_path):
     async with gateway(tmp_path, mem_queue_size=5000) as nsqd:
         total = 3000
