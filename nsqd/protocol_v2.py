@@ -244,6 +244,11 @@ def bad_topic_text(cmd: str, topic: str) -> str:
     return f"E_BAD_TOPIC {text}" if cmd == "MPUB" else text
 
 
+def _checked_topic(params: list[bytes]) -> str:
+    """The topic of a PUB, DPUB or MPUB, whose line the parser checked before reading its body."""
+    return params[1].decode(errors="replace")
+
+
 def go_base10(value: bytes, what: str) -> int:
     """nsqd's ByteToBase10: digits only, the empty string is 0, and the value wraps
     around at 64 bits as Go's uint64 does (so no length of digits is too long)."""
@@ -638,12 +643,12 @@ class ProtocolV2:
         return _lease_response({"lease": name, "count": count})
 
     def PUB(self, params, body, now_ns):
-        topic_name = self._topic_name(params, "PUB", 2)
+        topic_name = _checked_topic(params)
         self._check_auth("PUB", topic_name)
         return self._publish(topic_name, "PUB", [body], 0)
 
     def DPUB(self, params, body, now_ns):
-        topic_name = self._topic_name(params, "DPUB", 3)
+        topic_name = _checked_topic(params)
         opts = self.nsqd.options
         timeout_ms = self._base10(params[2], "DPUB could not parse timeout")
         self._check_auth("DPUB", topic_name)
@@ -653,7 +658,7 @@ class ProtocolV2:
         return self._publish(topic_name, "DPUB", [body], timeout_ms * 1_000_000)
 
     def MPUB(self, params, body, now_ns):
-        topic_name = self._topic_name(params, "MPUB", 2)
+        topic_name = _checked_topic(params)
         self._check_auth("MPUB", topic_name)
         opts = self.nsqd.options
         return self._publish(topic_name, "MPUB", split_mpub(body, opts.max_msg_size, opts.max_body_size), 0)

@@ -426,9 +426,13 @@ class Connection:
         """
         protocol = self.protocol
         held, protocol.held = protocol.held, []
-        self.client.out.extend(
-            protocol.answer(item, None if item.error is None else item.error.reason)
-            if type(item) is Unconfirmed else item for item in held)
+        if len(held) == 1:  # the usual case: one publish, nothing behind it
+            item = held[0]
+            self.client.out.append(protocol.answer(item, None if item.error is None else item.error.reason))
+        else:
+            self.client.out.extend(
+                protocol.answer(item, None if item.error is None else item.error.reason)
+                if type(item) is Unconfirmed else item for item in held)
         self.client.flush_now = True
         if self._confirmed is not None:
             self._confirmed.set()
