@@ -329,15 +329,21 @@ def widen_window(client: Client) -> None:
     client.session.send_flow()
 
 
+async def held_back_receiver(nsqd):
+    """Two 2 KiB messages to a receiver with credit 2 whose window of 3 frames holds seven of ten back."""
+    put(nsqd, "t", "c", [bytes(range(256)) * 8] * 2)
+    client = await narrow_window_client(nsqd)
+    link = await client.attach(p.RECEIVER, "/topics/t/channels/c")
+    link.flow(2)
+    await client.until(lambda: client.session.next_incoming_id == 3)
+    return client, link
+
+
 async def test_a_detach_comes_after_the_transfers_the_window_held_back(tmp_path):
     """Two 2 KiB messages are ten 512-byte frames; a window of 3 holds seven back. The client
     detaches meanwhile: our detach must follow those frames, never leave them on an unattached handle."""
     async with gateway(tmp_path) as nsqd:
-        put(nsqd, "t", "c", [bytes(range(256)) * 8] * 2)
-        client = await narrow_window_client(nsqd)
-        link = await client.attach(p.RECEIVER, "/topics/t/channels/c")
-        link.flow(2)
-        await client.until(lambda: client.session.next_incoming_id == 3)
+        client, link = await held_back_receiver(nsqd)
         link.detach()
         widen_window(client)
         await client.until(lambda: link.detach_received, timeout=3)
@@ -368,11 +374,7 @@ async def test_a_drain_flow_comes_after_the_transfers_the_window_held_back(tmp_p
 
 async def test_credit_for_publishing_does_not_wait_behind_held_back_transfers(tmp_path):
     async with gateway(tmp_path) as nsqd:
-        put(nsqd, "t", "c", [bytes(range(256)) * 8] * 2)
-        client = await narrow_window_client(nsqd)
-        link = await client.attach(p.RECEIVER, "/topics/t/channels/c")
-        link.flow(2)
-        await client.until(lambda: client.session.next_incoming_id == 3)
+        client, link = await held_back_receiver(nsqd)
         sender = await client.attach(p.SENDER, "/topics/other")
         await client.until(lambda: sender.credit > 0, timeout=3)
         assert await client.publish(sender, [b"x"]) == [p.Accepted()]
