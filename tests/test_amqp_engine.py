@@ -275,13 +275,19 @@ def test_incoming_window_is_kept_open():
     assert delivered == 3 * INCOMING_WINDOW
 
 
-def test_frames_beyond_the_peers_window_wait_for_its_flow():
+def _sender_facing_window(window: int):
+    """A link pair whose receiver granted credit 10, with the sender's view of the peer's window set."""
     pair = Pair()
     client_link, server_link = pair.link()
     server_link.flow(credit=10)
     pair.exchange()
     session = client_link.session
-    session.remote_incoming_window = 3
+    session.remote_incoming_window = window
+    return pair, client_link, server_link, session
+
+
+def test_frames_beyond_the_peers_window_wait_for_its_flow():
+    pair, client_link, server_link, session = _sender_facing_window(3)
     client_link.send_transfers([b"%d" % i for i in range(5)], [b"x"] * 5, True)
     assert len(session.pending) == 2
     pair.exchange()
@@ -295,12 +301,7 @@ def test_frames_beyond_the_peers_window_wait_for_its_flow():
 def test_a_handle_is_not_reused_while_its_detach_waits_behind_held_back_transfers():
     """Our answer to the peer's detach waits behind transfers beyond the peer's window; a link
     attached meanwhile must not take that handle, or its attach would come before the detach."""
-    pair = Pair()
-    client_link, server_link = pair.link()
-    server_link.flow(credit=10)
-    pair.exchange()
-    session = client_link.session
-    session.remote_incoming_window = 1
+    pair, client_link, server_link, session = _sender_facing_window(1)
     client_link.send_transfers([b"0", b"1", b"2"], [b"x"] * 3, True)
     server_link.detach()
     pair.exchange()
