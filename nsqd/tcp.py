@@ -375,6 +375,11 @@ class Connection:
             return False
         parser = protocol.parser
         parsed = parser.parsed
+        if protocol.stage_single_pub(_RECEIVE_BUFFER, count):
+            self._last_command = trio.current_time()
+            self._read_deadline = math.inf  # the client waits for us now
+            self._await_confirmations()
+            return True
         protocol.receive_data(memoryview(_RECEIVE_BUFFER)[:count], self.nsqd.now_ns())
         if parser.parsed != parsed:
             self._last_command = trio.current_time()
@@ -428,7 +433,17 @@ class Connection:
         held, protocol.held = protocol.held, []
         if len(held) == 1:  # the usual case: one publish, nothing behind it
             item = held[0]
-            self.client.out.append(protocol.answer(item, None if item.error is None else item.error.reason))
+            frame = protocol.answer(item, None if item.error is None else item.error.reason)
+            if self._confirmed is None:
+                frame = self._write_answer(frame)
+                if not frame:
+                    if self._edge_while_confirming:
+                        self._edge_while_confirming = False
+                        self._watch.wake()
+                    else:
+                        self._expect_command()
+                    return
+            self.client.out.append(frame)
         else:
             self.client.out.extend(
                 protocol.answer(item, None if item.error is None else item.error.reason)
@@ -447,6 +462,17 @@ class Connection:
             self._expect_command()
             return
         self._watch.wake()
+
+    def _write_answer(self, frame: bytes) -> bytes:
+        """Write one answer at once if nothing else waits to go out; what is left to write (b"": all sent)."""
+        client = self.client
+        if client.out or client.sub is not None or self._turn.busy or self._gone or self._plain_fd < 0:
+            return frame
+        try:
+            sent = os.write(self._plain_fd, frame)
+        except OSError:  # full (or failed): the general way writes it, or finds the error
+            return frame
+        return frame[sent:]
 
     def _write_inline(self) -> bool:
         """Write what is pending with one ``write``; False if the reader task must finish it.

@@ -17,6 +17,7 @@ import trio.testing
 from nsqd.client_v2 import ClientV2
 from nsqd.diskq import queue as queue_module
 from nsqd.readiness import ReadinessHub
+from nsqd.staging import PublishBatch
 from nsqd.tcp import Connection
 
 from .support import FRAME_ERROR, FRAME_RESPONSE, NSQConnection, running_nsqd, tcp_port
@@ -99,12 +100,15 @@ async def connection_on_socketpair(nsqd, nursery, hub):
         scope.cancel()
 
 
-async def test_an_answer_the_socket_takes_in_part_is_finished_by_the_reader(tmp_path):
-    """PUBs one at a time, each answered by the hub, to a peer that reads only later: once the socket's
-    buffer is full the rest of a write goes to the reader task, and every answer arrives."""
+@pytest.mark.parametrize("staged,durable", [(False, False), (True, False), (True, True)])
+async def test_an_answer_the_socket_takes_in_part_is_finished_by_the_reader(tmp_path, staged, durable):
+    """PUBs one at a time, each answered by the hub (or the commit), to a peer that reads only later: once
+    the socket's buffer is full the rest of a write goes to the reader task, and every answer arrives.
+
+    Staged, each PUB is taken whole by ``stage_single_pub`` and answered by ``_write_answer``."""
     count = 2000
-    async with running_nsqd(tmp_path) as nsqd, trio.open_nursery() as nursery:
-        hub = ReadinessHub()
+    async with running_nsqd(tmp_path, durable=durable) as nsqd, trio.open_nursery() as nursery:
+        hub = ReadinessHub(PublishBatch(nsqd) if staged else None)
         await nursery.start(hub.run)
         async with connection_on_socketpair(nsqd, nursery, hub) as (_, _, peer, _):
             many_sent = trio.Event()

@@ -97,3 +97,74 @@ async def test_a_publish_staged_before_a_fatal_error_is_answered_and_stored(tmp_
         await conn.expect_closed()
         await opened[1][1].expect_response()
         assert nsqd.topics["t"].message_count == 2
+
+
+class _StagingOnly:
+    """A batch that only stages (the unit under test never flushes)."""
+
+    open = True
+
+    def __init__(self):
+        self.staged = []
+
+    def stage(self, topic_name, bodies):
+        self.staged.append((topic_name, bodies))
+        return object()
+
+
+SINGLE_PUB_CASES = [
+    (pub("t", b"body"), True),
+    (pub("a.b_c-d#ephemeral", b"x" * 300), True),
+    (b"PUB t extra\n" + struct.pack(">i", 1) + b"x", False),  # more params: the parser takes the first
+    (b"PUB t\r\n" + struct.pack(">i", 1) + b"x", False),  # "\r" before "\n" is cut by the parser
+    (pub("bad topic!", b"x"), False),
+    (pub("", b"x"), False),
+    (pub("t", b"x") + b"NOP\n", False),  # more than one command
+    (pub("t", b"x")[:-1], False),  # the body is not all there
+    (b"PUB t\n" + struct.pack(">i", 0), False),
+    (b"PUB t\n" + struct.pack(">i", -1) + b"x", False),
+    (pub("t", b"x" * 1025), False),  # over max_msg_size
+    (b"MPUB t\n" + struct.pack(">i", 1) + b"x", False),
+    (b"PUB\n" + struct.pack(">i", 1) + b"x", False),
+]
+
+
+@pytest.mark.parametrize("data,staged", SINGLE_PUB_CASES)
+async def test_a_single_pub_is_staged_directly_only_when_the_parser_would_stage_it_the_same(tmp_path, data, staged):
+    """``stage_single_pub`` against the general path: what it takes, the parser and PUB would stage
+    identically; the rest it leaves untouched."""
+    from nsqd.client_v2 import ClientV2
+    from nsqd.protocol_v2 import ProtocolV2, Unconfirmed
+
+    async with running_nsqd(tmp_path, max_msg_size=1024) as nsqd:
+        def protocol():
+            batch = _StagingOnly()
+            client = ClientV2(nsqd.new_client_id(), "unit", nsqd.options, nsqd.now_ns())
+            return ProtocolV2(nsqd, client, batch), batch
+
+        fast, fast_batch = protocol()
+        buffer = bytearray(data) + b"\0" * 64  # the shared receive buffer holds older bytes past the read
+        assert fast.stage_single_pub(buffer, len(data)) is staged
+        general, general_batch = protocol()
+        general.receive_data(data, nsqd.now_ns())
+        if staged:
+            assert fast_batch.staged == general_batch.staged
+            assert [type(item) for item in fast.held] == [Unconfirmed]
+            assert (fast.held[0].command, fast.held[0].topic) == ("PUB", general.held[0].topic)
+            assert fast.parser.parsed == general.parser.parsed == 1
+        else:
+            assert (fast_batch.staged, fast.held, fast.parser.parsed, fast.parser.buffered) == ([], [], 0, 0)
+
+
+async def test_a_single_pub_with_auth_or_tls_to_check_goes_the_general_way(tmp_path):
+    from nsqd.client_v2 import ClientV2
+    from nsqd.protocol_v2 import ProtocolV2
+
+    async with running_nsqd(tmp_path) as nsqd:
+        for check in ("auth_enabled", "tls_required"):
+            batch = _StagingOnly()
+            protocol = ProtocolV2(nsqd, ClientV2(nsqd.new_client_id(), "unit", nsqd.options, nsqd.now_ns()), batch)
+            setattr(protocol, check, True)  # as --auth-http-address or --tls-required set them
+            data = pub("t", b"x")
+            assert not protocol.stage_single_pub(bytearray(data), len(data))
+            assert (batch.staged, protocol.held) == ([], [])
