@@ -43,6 +43,18 @@ def in_threads(monkeypatch):
     monkeypatch.setattr(queue_module.uring, "open_ring", lambda: None)
 
 
+async def start_cancellable_run(nursery, queue) -> trio.CancelScope:
+    """Start ``queue.run()`` in the nursery; cancelling the returned scope stops only it."""
+    run_scope = trio.CancelScope()
+
+    async def run_until_cancelled(task_status=trio.TASK_STATUS_IGNORED):
+        with run_scope:
+            await queue.run(task_status=task_status)
+
+    await nursery.start(run_until_cancelled)
+    return run_scope
+
+
 async def wait_until(predicate, timeout=5.0):
     with trio.fail_after(timeout):
         while not predicate():
@@ -120,6 +132,73 @@ async def test_waiter_after_a_commit_started_gets_a_later_commit(tmp_path, count
             await queue.wait_durable()
         nursery.cancel_scope.cancel()
     assert len(counted_syncs) == 5
+    queue.close()
+
+
+async def test_the_next_round_starts_before_the_waiters_of_the_last_one_run_again(tmp_path, monkeypatch):
+    """Rounds back to back: a waiter that joined while a round was in flight is being synced by the
+    next round before anything else runs (no scheduler pass between rounds, however busy the loop)."""
+    if queue_module.uring.open_ring() is None:
+        pytest.skip("io_uring is not available here: commits sync in worker threads")
+    calls = []
+    gate = trio.Event()
+    real_sync = queue_module.DiskQueue._sync
+
+    async def gated(self, plan, commit, target):
+        calls.append(plan)
+        await gate.wait()  # the round is in flight until the test has its next waiter join
+        await real_sync(self, plan, commit, target)
+
+    monkeypatch.setattr(queue_module.DiskQueue, "_sync", gated)
+    queue = DiskQueue("q", tmp_path)
+    rounds_started_when_released = []
+
+    async def first_waiter():
+        await queue.wait_durable()
+        rounds_started_when_released.append(len(calls))
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(queue.run)
+        gate.set()
+        queue.put(b"warm-up")  # its round also syncs the new segment's directory entry, in a worker thread
+        await queue.wait_durable()
+        done_before = len(calls)
+        for attempt in range(8):  # the order within one scheduler pass is random: one pass would pass by luck
+            gate = trio.Event()
+            queue.put(b"first")
+            nursery.start_soon(first_waiter)
+            await trio.testing.wait_all_tasks_blocked()  # the round for "first" is in flight
+            queue.put(b"next")
+            second = []
+            queue.on_durable(second.append)
+            gate.set()
+            await wait_until(lambda: second)
+            assert rounds_started_when_released[attempt] == done_before + 2 * attempt + 2  # "next"'s had started
+        nursery.cancel_scope.cancel()
+    queue.close()
+
+
+async def test_cancelling_run_under_a_steady_stream_of_waiters_ends_it(tmp_path, counted_syncs):
+    """Every round settles with a waiter for the next one already joined, so rounds run back to back;
+    cancelling run() still ends it after the round in flight."""
+    queue = DiskQueue("q", tmp_path)
+    outcome = []
+
+    def again(error):
+        if error is not None or len(counted_syncs) >= 500:
+            outcome.append(error)
+            return
+        queue.put(b"x")
+        queue.on_durable(again)  # joins the next round while this one settles
+
+    async with trio.open_nursery() as nursery:
+        run_scope = await start_cancellable_run(nursery, queue)
+        again(None)
+        await wait_until(lambda: len(counted_syncs) >= 20)
+        cancelled_at = len(counted_syncs)
+        run_scope.cancel()
+    assert len(counted_syncs) <= cancelled_at + 1
+    assert [str(error) for error in outcome] == ["disk queue 'q': run() stopped"]
     queue.close()
 
 
@@ -254,13 +333,7 @@ async def test_cancelling_run_finishes_the_commit_in_flight_and_fails_later_wait
             outcomes[name] = str(exc)
 
     async with trio.open_nursery() as nursery:
-        run_scope = trio.CancelScope()
-
-        async def run_until_cancelled(task_status=trio.TASK_STATUS_IGNORED):
-            with run_scope:
-                await queue.run(task_status=task_status)
-
-        await nursery.start(run_until_cancelled)
+        run_scope = await start_cancellable_run(nursery, queue)
         nursery.start_soon(producer, "first")
         await in_thread.wait()
         nursery.start_soon(producer, "second")

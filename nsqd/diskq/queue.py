@@ -6,7 +6,8 @@ a put that cannot be written (a full disk) raises and leaves no trace. Making
 records durable against power loss is the :meth:`DiskQueue.run` task's job,
 through io_uring (or a worker thread where it cannot be used): because a
 caller waits for it (group commit: one ``fdatasync`` serves every waiter of
-a round, and the next round gathers while the current one syncs) or because
+a round; the next round gathers while the current one syncs and starts the
+moment it settles, with no pass of the scheduler in between) or because
 ``sync_every`` puts and reads or ``sync_timeout`` seconds have passed (a
 checkpoint, which also saves the metadata).
 
@@ -491,11 +492,16 @@ class DiskQueue:
         try:
             task_status.started()
             while not self._closed:
-                with trio.move_on_at(self._last_checkpoint + self._sync_timeout):
-                    await self._wakeup.wait()
-                self._wakeup = trio.Event()
-                if self._closed:
-                    break
+                if self._next_round.waiters:
+                    # they joined while the last round synced: start theirs now, not after a scheduler
+                    # pass (a pass of busy publishers would be added to every confirmation's wait)
+                    await trio.lowlevel.checkpoint_if_cancelled()
+                else:
+                    with trio.move_on_at(self._last_checkpoint + self._sync_timeout):
+                        await self._wakeup.wait()
+                    self._wakeup = trio.Event()
+                    if self._closed:
+                        break
                 overdue = trio.current_time() >= self._last_checkpoint + self._sync_timeout
                 checkpoint = self._checkpoint_due or (overdue and self._dirty())
                 if checkpoint or self._next_round.waiters:
