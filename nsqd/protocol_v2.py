@@ -40,6 +40,8 @@ from .options import TLS_NOT_REQUIRED
 from .version import NSQD_VERSION
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .broker import Broker, Receipt
     from .staging import PublishBatch, StagedPublish
 
@@ -119,6 +121,8 @@ class V2Parser:
         self.parsed = 0
         self._buf = bytearray()
         self._failed = False
+        #: whether the client's state allows AUTH now (set by the protocol; the state lives there)
+        self.auth_allowed: Callable[[], bool] = _always
 
     def receive_data(self, data: bytes) -> None:
         self._buf += data
@@ -201,6 +205,8 @@ class V2Parser:
         if name == b"IDENTIFY":
             return None
         if name == b"AUTH":
+            if not self.auth_allowed():  # nsqd looks at the state first, and reads no body then
+                return "E_INVALID", "cannot AUTH in current state"
             return ("E_INVALID", "AUTH invalid number of parameters") if len(params) != 1 else None
         if len(params) < (3 if name == b"DPUB" else 2):
             return "E_INVALID", f"{name.decode()} insufficient number of parameters"
@@ -235,6 +241,10 @@ class V2Parser:
         self._failed = True
         self.clear()
         return (PARSE_ERROR, [code, desc], None)
+
+
+def _always() -> bool:
+    return True
 
 
 def bad_topic_text(cmd: str, topic: str) -> str:
@@ -283,6 +293,7 @@ class ProtocolV2:
         self.batch = batch
         opts = nsqd.options
         self.parser = V2Parser(opts.max_msg_size, opts.max_body_size, int(opts.max_req_timeout * 1000))
+        self.parser.auth_allowed = self._auth_allowed
         self.closed = False
         #: answers held back behind an unconfirmed publish, in order (see :meth:`answer`)
         self.held: list[bytes | Unconfirmed] = []
@@ -435,6 +446,9 @@ class ProtocolV2:
             raise AuthRefresh()
         if not state.allows(topic, channel):
             raise ClientError("E_UNAUTHORIZED", f"AUTH failed for {cmd} on {_go_quote(topic)} {_go_quote(channel)}")
+
+    def _auth_allowed(self) -> bool:
+        return self.client.state == STATE_INIT
 
     def _require_state(self, cmd: str, *states: int) -> None:
         if self.client.state not in states:

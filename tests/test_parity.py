@@ -231,6 +231,27 @@ async def test_expired_auth_is_checked_again(tmp_path):
             nursery.cancel_scope.cancel()
 
 
+@pytest.mark.parametrize("line,body,before_sub", [
+    (b"AUTH\n", b"", "E_BAD_BODY AUTH invalid body size 0"),
+    (b"AUTH x\n", b"secret", "E_INVALID AUTH invalid number of parameters"),
+    (b"AUTH\n", b"secret", "E_AUTH_DISABLED AUTH disabled"),
+])
+async def test_auth_in_a_wrong_state_is_refused_before_its_line_or_body_is_looked_at(tmp_path, line, body, before_sub):
+    """nsqd checks AUTH's state first: after SUB every AUTH gets the state error, however malformed."""
+    import struct
+
+    frame = line + struct.pack(">i", len(body)) + body
+    async with running_nsqd(tmp_path) as nsqd:
+        fresh = await NSQConnection.open(tcp_port(nsqd))
+        await fresh.send(frame)
+        await fresh.expect_error(before_sub)
+        subscribed = await NSQConnection.open(tcp_port(nsqd))
+        await subscribed.sub("t", "c")
+        await subscribed.send(frame)
+        await subscribed.expect_error("E_INVALID cannot AUTH in current state")
+        await subscribed.expect_closed()
+
+
 def test_auth_decisions_follow_nsqd():
     from nsqd.auth import AuthError, parse_reply
     state = parse_reply(json.dumps(grant("^a", ["^c$"], ["subscribe"])).encode(), now=0)
