@@ -388,17 +388,15 @@ def render_text(stats: NSQDStats) -> bytes:
     if stats.memory is not None:
         lines += ["", "Memory:"]
         lines += [f"   {f.name:<25}\t{getattr(stats.memory, f.name)}" for f in fields(stats.memory)]
-    if not stats.topics:
-        lines += ["", "Topics: None"]
-    else:
-        lines += ["", "Topics:"]
-    for t in stats.topics:
+    lines += ["", "Topics:" if stats.topics else "Topics: None"]
+    for index, t in enumerate(stats.topics):
         mark = "*P " if t.paused else "   "
-        lines += [
-            "",
+        if index:  # nsqd separates topics by a blank line, but none follows "Topics:"
+            lines.append("")
+        lines.append(
             f"{mark}[{t.topic_name:<15}] depth: {t.depth:<5} be-depth: {t.backend_depth:<5} "
-            f"msgs: {t.message_count:<8} e2e%: {_e2e_text(t.e2e_processing_latency)}",
-        ]
+            f"msgs: {t.message_count:<8} e2e%: {_e2e_text(t.e2e_processing_latency)}"
+        )
         for c in t.channels:
             mark = "   *P " if c.paused else "      "
             lines.append(
