@@ -350,6 +350,10 @@ def to_json_value(obj: object) -> object:
         return out
     if isinstance(obj, (tuple, list)):
         return [to_json_value(item) for item in obj]
+    if isinstance(obj, dict):
+        return {key: to_json_value(value) for key, value in obj.items()}
+    if isinstance(obj, float) and obj.is_integer():
+        return int(obj)  # Go's encoding/json writes an integral float64 as 1, not 1.0
     return obj
 
 

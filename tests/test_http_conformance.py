@@ -4,6 +4,13 @@ Each test pins one behaviour a client, a tool or a conformance suite can see,
 with the exact status, headers and bytes Go nsqd writes.
 """
 
+import re
+
+import pytest
+import trio
+
+from .support import NSQConnection, tcp_port
+
 TOPIC_LINE = "   [{:<15}] depth: {:<5} be-depth: 0     msgs: {:<8} e2e%: "
 
 
@@ -21,3 +28,25 @@ async def test_text_stats_has_no_blank_line_after_topics_heading(nsqd_server, ht
         TOPIC_LINE.format("b", 1, 1),
         "",
     ])
+
+
+@pytest.mark.parametrize("nsqd_server", [{"e2e_processing_latency_percentiles": [1.0, 0.5]}], indirect=True)
+async def test_stats_json_writes_integral_latency_figures_as_go_does(nsqd_server, http):
+    """Go's encoding/json writes float64 1.0 as 1: quantile 1 and whole nanoseconds have no ".0"."""
+    consumer = await NSQConnection.open(tcp_port(nsqd_server))
+    await consumer.sub("t", "c")
+    await consumer.pub("t", b"x")
+    await consumer.command("RDY 1")
+    message = await consumer.read_message()
+    await consumer.command(b"FIN " + message.id)
+    for _ in range(100):
+        body = (await http.get("/stats?format=json&include_clients=false&include_mem=false")).body.decode()
+        if '"count":1' in body:
+            break
+        await trio.sleep(0.01)
+    await consumer.close()
+    percentiles = re.findall(r'"percentiles":\[[^\]]*\]', body)
+    assert len(percentiles) == 2  # the channel's and the topic's
+    for text in percentiles:
+        assert re.fullmatch(r'"percentiles":\[\{"quantile":1,"value":[1-9][0-9]*\},'
+                            r'\{"quantile":0\.5,"value":[1-9][0-9]*\}\]', text), text
