@@ -43,7 +43,6 @@ _V1_HEADER = (b"x-nsq-content-type", b"nsq; version=1.0")
 # Go's boolParams: anything else means "use the default"
 _BOOL_PARAMS = {"true": True, "1": True, "false": False, "0": False}
 _INT64 = re.compile(r"[+-]?[0-9]+\Z")
-_BAD_ESCAPE = re.compile(rb"%(?![0-9A-Fa-f]{2})")
 
 
 class HTTPError(Exception):
@@ -91,7 +90,7 @@ def parse_query(raw: bytes) -> dict[str, list[str]]:
 
 
 def _unescape(text: bytes) -> str:
-    if _BAD_ESCAPE.search(text):
+    if http_server.BAD_ESCAPE.search(text):
         raise ValueError(f"invalid URL escape in {text!r}")
     return unquote_to_bytes(text.replace(b"+", b" ")).decode("utf-8", "surrogateescape")
 

@@ -33,7 +33,7 @@ policy when reached:
 
 Malformed requests get h11's status (400, or 501 for an unknown transfer
 coding; 505 for an HTTP major version other than 1, HTTP/2's preface
-included) with an nsqd-style JSON message, then the connection is closed. A
+included; 400 too for a path with a malformed ``%`` escape, as Go's net/http) with an nsqd-style JSON message, then the connection is closed. A
 connection closed while the client may still be sending is shut down for
 writing and drained for up to :data:`LINGER_TIMEOUT`, so the client reads
 our answer instead of a reset.
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import http
 import math
+import re
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -131,6 +132,8 @@ class Response:
 
 App = Callable[[Request], Awaitable[Response]]
 
+#: a ``%`` not followed by two hex digits
+BAD_ESCAPE = re.compile(rb"%(?![0-9A-Fa-f]{2})")
 _ORDINARY_FAULTS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 _STATUS_MESSAGES = {400: "BAD_REQUEST", 431: "HEADER_TOO_BIG", 501: "NOT_IMPLEMENTED"}
 
@@ -452,11 +455,14 @@ class _Connection:
 
 
 def _refusal(event: h11.Request, max_head_size: int) -> Response | None:
-    """What h11 lets through but we refuse: a complete head over the limit, HTTP other than 1.x."""
+    """What h11 lets through but we refuse: a complete head over the limit, HTTP other than 1.x,
+    a path with a malformed ``%`` escape."""
     if len(event.target) + sum(len(name) + len(value) for name, value in event.headers) > max_head_size:
         return error_response(431, "HEADER_TOO_BIG")  # h11 only limits heads still incomplete
     if not event.http_version.startswith(b"1."):  # h11 takes any digit.digit
         return error_response(505, "HTTP_VERSION_NOT_SUPPORTED")
+    if BAD_ESCAPE.search(event.target.partition(b"?")[0]):  # Go's ParseRequestURI refuses it
+        return error_response(400, "BAD_REQUEST")
     return None
 
 

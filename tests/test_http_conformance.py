@@ -50,3 +50,17 @@ async def test_stats_json_writes_integral_latency_figures_as_go_does(nsqd_server
     for text in percentiles:
         assert re.fullmatch(r'"percentiles":\[\{"quantile":1,"value":[1-9][0-9]*\},'
                             r'\{"quantile":0\.5,"value":[1-9][0-9]*\}\]', text), text
+
+
+@pytest.mark.parametrize("target", ["/pi%zzng", "/ping%4", "/config/log%_level"])
+async def test_path_with_malformed_escape_is_a_bad_request(http, target):
+    """Go's net/http refuses such a request line (400) before routing; it is no unknown path (404)."""
+    response = await http.get(target)
+    assert (response.status, response.body) == (400, b'{"message":"BAD_REQUEST"}')
+    assert response.headers["connection"] == "close"
+
+
+async def test_malformed_escape_in_query_only_is_the_endpoints_business(http):
+    """The request line takes any query; /ping never parses its own, so it answers OK."""
+    response = await http.get("/p%69ng?x=%zz")
+    assert (response.status, response.body) == (200, b"OK")
