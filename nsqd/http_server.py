@@ -33,7 +33,8 @@ policy when reached:
 
 Malformed requests get h11's status (400, or 501 for an unknown transfer
 coding; 505 for an HTTP major version other than 1, HTTP/2's preface
-included; 400 too for a path with a malformed ``%`` escape, as Go's net/http) with an nsqd-style JSON message, then the connection is closed. A
+included; 400 too for a path with a malformed ``%`` escape, as Go's
+net/http) with an nsqd-style JSON message, then the connection is closed. A
 connection closed while the client may still be sending is shut down for
 writing and drained for up to :data:`LINGER_TIMEOUT`, so the client reads
 our answer instead of a reset.
