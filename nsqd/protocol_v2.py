@@ -697,14 +697,11 @@ class ProtocolV2:
         return self._publish(topic_name, "PUB", [body], 0)
 
     def DPUB(self, params, body, now_ns):
+        """Deferred by nsqd's Duration of the timeout, which the parser checked (it may have wrapped)."""
         topic_name = _checked_topic(params)
-        opts = self.nsqd.options
-        timeout_ms = self._base10(params[2], "DPUB could not parse timeout")
+        defer_ns = go_millis_ns(go_base10(params[2], "DPUB could not parse timeout"))
         self._check_auth("DPUB", topic_name)
-        max_ms = int(opts.max_req_timeout * 1000)
-        if timeout_ms > max_ms:
-            raise ClientError("E_INVALID", f"DPUB timeout {timeout_ms} out of range 0-{max_ms}")
-        return self._publish(topic_name, "DPUB", [body], timeout_ms * 1_000_000)
+        return self._publish(topic_name, "DPUB", [body], defer_ns)
 
     def MPUB(self, params, body, now_ns):
         topic_name = _checked_topic(params)
