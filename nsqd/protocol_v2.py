@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("nsqd.protocol")
 
 MAGIC_V2 = b"  V2"
-#: longest command line accepted (nsqd's read buffer)
+#: nsqd's read buffer: a command line must fit in it with its newline
 MAX_LINE = 16 * 1024
 
 #: most commands one parser call returns
@@ -108,7 +108,9 @@ class V2Parser:
     ``FIN_BATCH`` commands carry a list of message ids as params. A framing
     problem (oversized line or body, bad size, a body command's line that nsqd
     refuses before reading the body) yields one ``PARSE_ERROR`` command whose
-    params are ``[code, description]``; nothing is parsed after it.
+    params are ``[code, description]``; nothing is parsed after it. The code
+    is None where nsqd's read itself fails (a line that does not fit its
+    buffer): nsqd hangs up then without an answer.
     """
 
     def __init__(self, max_msg_size: int, max_body_size: int, max_req_timeout_ms: int) -> None:
@@ -172,8 +174,8 @@ class V2Parser:
                     pos = run.end()
                     continue
             nl = find(b"\n", pos)
-            if (end if nl < 0 else nl) - pos > MAX_LINE:  # however the line was split into reads
-                out.append(self._fail("E_INVALID", f"command line longer than {MAX_LINE} bytes"))
+            if (end if nl < 0 else nl) - pos >= MAX_LINE:  # however the line was split into reads
+                out.append(self._fail(None, f"command line longer than {MAX_LINE - 1} bytes"))
                 break
             if nl < 0:
                 break
@@ -247,7 +249,7 @@ class V2Parser:
             return "E_BAD_BODY", f"{cmd} invalid body size {size}"
         return None
 
-    def _fail(self, code: str, desc: str) -> tuple[bytes, list, None]:
+    def _fail(self, code: str | None, desc: str) -> tuple[bytes, list, None]:
         self._failed = True
         self.clear()
         return (PARSE_ERROR, [code, desc], None)
@@ -401,6 +403,10 @@ class ProtocolV2:
                 continue
             try:
                 if name is PARSE_ERROR:
+                    if params[0] is None:  # nsqd's read failed: it hangs up without an answer
+                        log.warning("client error", client=client.remote_address, error=params[1])
+                        self.closed = True
+                        return
                     raise ClientError(*params)
                 if name is FIN_BATCH:
                     self._check_tls(b"FIN")

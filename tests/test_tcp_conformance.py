@@ -14,6 +14,16 @@ from .test_parity import AuthServer, ca, certs, grant  # noqa: F401 (ca and cert
 WRAPPING_MS = 18446744073710
 
 
+async def expect_nothing_then_closed(conn: NSQConnection) -> None:
+    """nsqd drops a connection whose read failed without writing an error frame."""
+    with trio.fail_after(5):
+        try:
+            chunk = await conn.stream.receive_some(65536)
+        except trio.BrokenResourceError:
+            return
+    assert chunk == b"", chunk
+
+
 async def test_dpub_timeout_that_wraps_into_range_is_a_short_delay(tmp_path):
     """nsqd checks DPUB's Duration, which wraps at 64 bits, and defers by that Duration."""
     async with running_nsqd(tmp_path) as nsqd:
@@ -108,3 +118,25 @@ async def test_mpub_pipelined_after_auth_is_authorized_by_it(tmp_path):
         await conn.read_frame()
         await conn.expect_response()
         assert nsqd.topics["orders"].message_count == 1
+
+
+@pytest.mark.parametrize("length,accepted", [(16383, True), (16384, False)])
+async def test_a_command_line_must_fit_nsqds_16_kib_read_buffer(tmp_path, length, accepted):
+    """nsqd reads a line with a 16 KiB bufio.Reader, newline included; a longer one is a
+    read error: the connection is closed without an error frame."""
+    async with running_nsqd(tmp_path) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.send(b"NOP " + b"x" * (length - 4) + b"\n")
+        if accepted:
+            await conn.pub("t", b"still open")
+        else:
+            await expect_nothing_then_closed(conn)
+
+
+async def test_a_line_without_newline_past_16_kib_closes_without_a_frame(tmp_path):
+    async with running_nsqd(tmp_path) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.pub("t", b"first")
+        await conn.send(b"x" * 20_000)
+        await expect_nothing_then_closed(conn)
+        assert nsqd.topics["t"].message_count == 1
