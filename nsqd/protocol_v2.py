@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("nsqd.protocol")
 
 MAGIC_V2 = b"  V2"
-#: longest command line accepted (nsqd's read buffer)
+#: nsqd's read buffer: a command line must fit in it with its newline
 MAX_LINE = 16 * 1024
 
 #: most commands one parser call returns
@@ -108,7 +108,9 @@ class V2Parser:
     ``FIN_BATCH`` commands carry a list of message ids as params. A framing
     problem (oversized line or body, bad size, a body command's line that nsqd
     refuses before reading the body) yields one ``PARSE_ERROR`` command whose
-    params are ``[code, description]``; nothing is parsed after it.
+    params are ``[code, description]``; nothing is parsed after it. The code
+    is None where nsqd's read itself fails (a line that does not fit its
+    buffer): nsqd hangs up then without an answer.
     """
 
     def __init__(self, max_msg_size: int, max_body_size: int, max_req_timeout_ms: int) -> None:
@@ -121,8 +123,14 @@ class V2Parser:
         self.parsed = 0
         self._buf = bytearray()
         self._failed = False
-        #: whether the client's state allows AUTH now (set by the protocol; the state lives there)
-        self.auth_allowed: Callable[[], bool] = _always
+        #: what nsqd refuses a body command for before its line: the connection's state (the
+        #: protocol sets it; the state lives there); ``(code, description)`` or None
+        self.refusal_before_line: Callable[[bytes], tuple[str, str] | None] = _no_refusal
+        #: what nsqd refuses an MPUB for once its line is read, before its body: its authorization
+        self.refusal_before_mpub_body: Callable[[str], tuple[str, str] | None] = _no_refusal
+        #: body commands whose refusal depends on what the commands before them did: each is
+        #: parsed only once those have run (see :meth:`commands`)
+        self.after_previous: frozenset[bytes] = frozenset((b"IDENTIFY", b"AUTH"))
 
     def receive_data(self, data: bytes) -> None:
         self._buf += data
@@ -166,8 +174,8 @@ class V2Parser:
                     pos = run.end()
                     continue
             nl = find(b"\n", pos)
-            if (end if nl < 0 else nl) - pos > MAX_LINE:  # however the line was split into reads
-                out.append(self._fail("E_INVALID", f"command line longer than {MAX_LINE} bytes"))
+            if (end if nl < 0 else nl) - pos >= MAX_LINE:  # however the line was split into reads
+                out.append(self._fail(None, f"command line longer than {MAX_LINE - 1} bytes"))
                 break
             if nl < 0:
                 break
@@ -178,6 +186,9 @@ class V2Parser:
             name = params[0]
             budget -= FINS_PER_COMMAND
             if name in _BODY_COMMANDS:
+                if out and name in self.after_previous:
+                    self.more = True  # the commands before it run first
+                    break
                 problem = self._check_line(name, params)
                 if problem is None:
                     if nl + 5 > end:
@@ -202,11 +213,10 @@ class V2Parser:
 
     def _check_line(self, name: bytes, params: list[bytes]) -> tuple[str, str] | None:
         """What nsqd checks in a body command's line before it reads the body, in its order."""
-        if name == b"IDENTIFY":
-            return None
+        refusal = self.refusal_before_line(name)
+        if refusal is not None or name == b"IDENTIFY":
+            return refusal
         if name == b"AUTH":
-            if not self.auth_allowed():  # nsqd looks at the state first, and reads no body then
-                return "E_INVALID", "cannot AUTH in current state"
             return ("E_INVALID", "AUTH invalid number of parameters") if len(params) != 1 else None
         if len(params) < (3 if name == b"DPUB" else 2):
             return "E_INVALID", f"{name.decode()} insufficient number of parameters"
@@ -220,6 +230,8 @@ class V2Parser:
                 return exc.code, exc.desc
             if not 0 <= go_millis_ns(timeout_ms) <= self.max_req_timeout_ms * 1_000_000:
                 return "E_INVALID", f"DPUB timeout {timeout_ms} out of range 0-{self.max_req_timeout_ms}"
+        if name == b"MPUB":
+            return self.refusal_before_mpub_body(topic)
         return None
 
     def _check_body_size(self, name: bytes, size: int) -> tuple[str, str] | None:
@@ -237,14 +249,14 @@ class V2Parser:
             return "E_BAD_BODY", f"{cmd} invalid body size {size}"
         return None
 
-    def _fail(self, code: str, desc: str) -> tuple[bytes, list, None]:
+    def _fail(self, code: str | None, desc: str) -> tuple[bytes, list, None]:
         self._failed = True
         self.clear()
         return (PARSE_ERROR, [code, desc], None)
 
 
-def _always() -> bool:
-    return True
+def _no_refusal(_what) -> None:
+    return None
 
 
 def bad_topic_text(cmd: str, topic: str) -> str:
@@ -293,7 +305,6 @@ class ProtocolV2:
         self.batch = batch
         opts = nsqd.options
         self.parser = V2Parser(opts.max_msg_size, opts.max_body_size, int(opts.max_req_timeout * 1000))
-        self.parser.auth_allowed = self._auth_allowed
         self.closed = False
         #: answers held back behind an unconfirmed publish, in order (see :meth:`answer`)
         self.held: list[bytes | Unconfirmed] = []
@@ -306,6 +317,10 @@ class ProtocolV2:
         self._pub_topic = ""
         self.auth_enabled = bool(opts.auth_http_addresses)
         self.tls_required = opts.tls_required != TLS_NOT_REQUIRED
+        self.parser.refusal_before_line = self._refusal_before_line
+        if self.auth_enabled:
+            self.parser.refusal_before_mpub_body = self._mpub_refusal
+            self.parser.after_previous |= {b"MPUB"}
         self._handlers = {
             b"IDENTIFY": self.IDENTIFY, b"SUB": self.SUB, b"RDY": self.RDY, b"FIN": self.FIN,
             b"REQ": self.REQ, b"TOUCH": self.TOUCH, b"PUB": self.PUB, b"MPUB": self.MPUB,
@@ -388,6 +403,10 @@ class ProtocolV2:
                 continue
             try:
                 if name is PARSE_ERROR:
+                    if params[0] is None:  # nsqd's read failed: it hangs up without an answer
+                        log.warning("client error", client=client.remote_address, error=params[1])
+                        self.closed = True
+                        return
                     raise ClientError(*params)
                 if name is FIN_BATCH:
                     self._check_tls(b"FIN")
@@ -395,11 +414,11 @@ class ProtocolV2:
                     if self.closed:
                         return
                     continue
+                if name != b"IDENTIFY":
+                    self._check_tls(name)
                 handler = self._handlers.get(name)
                 if handler is None:
                     raise ClientError("E_INVALID", f"invalid command {name.decode(errors='replace')}")
-                if name != b"IDENTIFY":
-                    self._check_tls(name)
                 response = handler(params, body, now_ns)
             except AuthRefresh:
                 self.pending.append(("auth",))
@@ -447,8 +466,28 @@ class ProtocolV2:
         if not state.allows(topic, channel):
             raise ClientError("E_UNAUTHORIZED", f"AUTH failed for {cmd} on {_go_quote(topic)} {_go_quote(channel)}")
 
-    def _auth_allowed(self) -> bool:
-        return self.client.state == STATE_INIT
+    def _refusal_before_line(self, name: bytes) -> tuple[str, str] | None:
+        """nsqd's checks of a body command before its line: IDENTIFY's state; for the others
+        the TLS policy, then AUTH's state (no body is read when one fails)."""
+        try:
+            if name != b"IDENTIFY":
+                self._check_tls(name)
+            if name == b"IDENTIFY" or name == b"AUTH":
+                self._require_state(name.decode(), STATE_INIT)
+        except ClientError as err:
+            return err.code, err.desc
+        return None
+
+    def _mpub_refusal(self, topic: str) -> tuple[str, str] | None:
+        """nsqd authorizes an MPUB before it reads the body (PUB and DPUB after); an expired
+        authorization is asked again once the body is in, by the handler."""
+        try:
+            self._check_auth("MPUB", topic)
+        except ClientError as err:
+            return err.code, err.desc
+        except AuthRefresh:
+            pass
+        return None
 
     def _require_state(self, cmd: str, *states: int) -> None:
         if self.client.state not in states:
@@ -697,14 +736,11 @@ class ProtocolV2:
         return self._publish(topic_name, "PUB", [body], 0)
 
     def DPUB(self, params, body, now_ns):
+        """Deferred by nsqd's Duration of the timeout, which the parser checked (it may have wrapped)."""
         topic_name = _checked_topic(params)
-        opts = self.nsqd.options
-        timeout_ms = self._base10(params[2], "DPUB could not parse timeout")
+        defer_ns = go_millis_ns(go_base10(params[2], "DPUB could not parse timeout"))
         self._check_auth("DPUB", topic_name)
-        max_ms = int(opts.max_req_timeout * 1000)
-        if timeout_ms > max_ms:
-            raise ClientError("E_INVALID", f"DPUB timeout {timeout_ms} out of range 0-{max_ms}")
-        return self._publish(topic_name, "DPUB", [body], timeout_ms * 1_000_000)
+        return self._publish(topic_name, "DPUB", [body], defer_ns)
 
     def MPUB(self, params, body, now_ns):
         topic_name = _checked_topic(params)

@@ -88,7 +88,7 @@ FATAL = [
     # ---- lines
     ("empty line", PUB_OK + b"\n", [OK, (FRAME_ERROR, b"E_INVALID invalid command ")]),
     ("two carriage returns", PUB_OK + b"NOP\r\r\n", [OK, (FRAME_ERROR, b"E_INVALID invalid command NOP\r")]),
-    ("a line over 16 KiB", PUB_OK + b"X" * 20_000, [OK, (FRAME_ERROR, b"E_INVALID command line longer than 16384 bytes")]),
+    ("a line over 16 KiB", PUB_OK + b"X" * 20_000, [OK]),  # nsqd's read fails: no answer
     ("SUB with two spaces", PUB_OK + b"SUB t  c\n", [OK, (FRAME_ERROR, b'E_BAD_CHANNEL SUB channel name "" is not valid')]),
 ]
 

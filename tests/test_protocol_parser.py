@@ -103,14 +103,19 @@ def test_body_size_limits_fail_before_the_body_arrives(cmd, size, code, text):
 
 
 def test_overlong_line_is_an_error_even_when_its_newline_came_in_the_same_read():
-    _, cmds = parse_all(b"NOP\n" + b"X" * (MAX_LINE + 1) + b"\n")
+    _, cmds = parse_all(b"NOP\n" + b"X" * MAX_LINE + b"\n")
     assert cmds == [(b"NOP", [b"NOP"], None),
-                    (PARSE_ERROR, ["E_INVALID", f"command line longer than {MAX_LINE} bytes"], None)]
+                    (PARSE_ERROR, [None, f"command line longer than {MAX_LINE - 1} bytes"], None)]
+
+
+def test_a_line_that_fits_nsqds_buffer_with_its_newline_is_parsed():
+    _, cmds = parse_all(b"NOP " + b"X" * (MAX_LINE - 5) + b"\n")
+    assert [name for name, _, _ in cmds] == [b"NOP"]
 
 
 def test_overlong_line_is_an_error_not_a_buffer():
-    parser, cmds = parse_all(b"X" * (MAX_LINE + 1))
-    assert cmds[0][0] is PARSE_ERROR and cmds[0][1][0] == "E_INVALID"
+    parser, cmds = parse_all(b"X" * MAX_LINE)
+    assert cmds[0][0] is PARSE_ERROR and cmds[0][1][0] is None
     assert parser.buffered == 0
 
 
