@@ -28,7 +28,7 @@ from . import auth, http_server, message, metrics, policy, stats
 from .broker import PublishError
 from .channel import ChannelExiting
 from .diskq import DiskQueueError
-from .names import is_valid_channel_name, is_valid_topic_name
+from .names import go_json_text, is_valid_channel_name, is_valid_topic_name
 from .options import OVERFLOW_POLICIES, TLS_REQUIRED, OptionsError, host_of, parse_log_level, split_host_port
 from .protocol_v2 import ClientError, go_millis_ns, split_mpub
 from .version import NSQD_VERSION
@@ -582,6 +582,7 @@ def _lookupd_addresses(body: bytes) -> list[str]:
             return []
         if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
             raise ValueError("not a list of strings")
+        value = [go_json_text(address) for address in value]
         for address in value:
             split_host_port(address)
     except ValueError:  # also OptionsError and JSON errors

@@ -1,4 +1,4 @@
-"""Topic and channel name rules, as nsqd enforces them."""
+"""Topic and channel name rules, as nsqd enforces them, and text taken from clients' JSON."""
 
 import re
 
@@ -12,3 +12,16 @@ def is_valid_name(name: str) -> bool:
 
 is_valid_topic_name = is_valid_name
 is_valid_channel_name = is_valid_name
+
+
+#: a surrogate that a ``\\ud800``-style JSON escape left without its partner
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def go_json_text(text: str) -> str:
+    """A decoded JSON string as Go's decoder reads it: a lone surrogate escape becomes U+FFFD.
+
+    Python keeps the lone surrogate, which cannot be encoded: a log line or a
+    /stats answer carrying it would fail.
+    """
+    return _LONE_SURROGATE.sub("\ufffd", text) if _LONE_SURROGATE.search(text) else text

@@ -35,7 +35,7 @@ import structlog
 from . import message
 from .broker import PublishError, SubscribeError
 from .client_v2 import STATE_CLOSING, STATE_INIT, STATE_SUBSCRIBED, ClientV2
-from .names import is_valid_channel_name, is_valid_topic_name
+from .names import go_json_text, is_valid_channel_name, is_valid_topic_name
 from .options import TLS_NOT_REQUIRED
 from .version import NSQD_VERSION
 
@@ -867,6 +867,8 @@ def _decode_identify(body: bytes) -> dict:
             raise ClientError(*_BAD_IDENTIFY_JSON)
         elif kind is int and not -_INT_TOP.get(key, 1 << 63) <= value < _INT_TOP.get(key, 1 << 63):
             raise ClientError(*_BAD_IDENTIFY_JSON)
+        elif kind is str:
+            value = go_json_text(value)
         fields[key] = value
     return fields
 

@@ -64,3 +64,11 @@ async def test_malformed_escape_in_query_only_is_the_endpoints_business(http):
     """The request line takes any query; /ping never parses its own, so it answers OK."""
     response = await http.get("/p%69ng?x=%zz")
     assert (response.status, response.body) == (200, b"OK")
+
+
+async def test_config_lookupd_address_with_a_lone_surrogate_escape_reads_it_as_the_replacement_character(
+        nsqd_server, http):
+    """Go's JSON decoder reads ``\\ud800`` alone as U+FFFD: the address is taken as such (a 200, not a 500)."""
+    response = await http.put("/config/nsqlookupd_tcp_addresses", b'["x\\ud800:4160"]')
+    assert response.status == 200
+    assert nsqd_server.options.lookupd_tcp_addresses == ["x\ufffd:4160"]

@@ -140,3 +140,16 @@ async def test_a_line_without_newline_past_16_kib_closes_without_a_frame(tmp_pat
         await conn.send(b"x" * 20_000)
         await expect_nothing_then_closed(conn)
         assert nsqd.topics["t"].message_count == 1
+
+
+async def test_identify_with_a_lone_surrogate_escape_reads_it_as_the_replacement_character(tmp_path):
+    """Go's JSON decoder turns a lone ``\\ud800`` escape into U+FFFD; the client stays connected, and
+    its names can be logged and shown in /stats."""
+    async with running_nsqd(tmp_path) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.command("IDENTIFY", b'{"user_agent":"x\\ud800y","client_id":"\\udc00"}')
+        await conn.expect_response()
+        await conn.pub("t", b"still connected")
+        (client,) = nsqd.clients.values()
+        assert (client.user_agent, client.client_id) == ("x\ufffdy", "\ufffd")
+        assert (client.user_agent + client.client_id).encode("utf-8")
