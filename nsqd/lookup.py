@@ -100,6 +100,7 @@ class LookupPeer:
                 raise ValueError(f"lookupd refused IDENTIFY: {response.decode(errors='replace')}")
             self.info = json.loads(response)
             log.info("lookupd connected", lookupd=self.address, info=self.info)
+            await self._register_all(stream, reader)
             next_ping = trio.current_time() + PING_INTERVAL
             while True:
                 self._dirty = False
@@ -131,6 +132,20 @@ class LookupPeer:
             nursery.start_soon(readable)
         if hung_up and not await stream.receive_some(65536):
             raise EOFError("lookupd closed the connection")
+
+    async def _register_all(self, stream, reader) -> None:
+        """Tell a fresh connection everything, as nsqd's connect callback does.
+
+        A topic with channels is registered through its channels only (nsqlookupd
+        registers the topic with each ``REGISTER topic channel``); a topic without
+        any is registered alone.
+        """
+        wanted = registrations(self.nsqd)
+        with_channels = {topic for topic, channel in wanted if channel}
+        for topic, channel in sorted(wanted):
+            if channel or topic not in with_channels:
+                await self._send(stream, reader, "REGISTER", topic, channel)
+            self.registered.add((topic, channel))
 
     async def _sync(self, stream, reader) -> None:
         wanted = registrations(self.nsqd)

@@ -67,8 +67,8 @@ class Lookupd:
                     self.identify = json.loads(await read(size))
                     await respond(json.dumps({"tcp_port": self.port, "http_port": 0, "version": "1.3.0",
                                               "broadcast_address": "lookupd", "hostname": "lookupd"}).encode())
-                elif verb == "REGISTER":
-                    self.registrations.add((args[0], args[1] if len(args) > 1 else ""))
+                elif verb == "REGISTER":  # as nsqlookupd, a channel's registration registers its topic too
+                    self.registrations.update({(args[0], ""), (args[0], args[1] if len(args) > 1 else "")})
                     await respond(b"OK")
                 elif verb == "UNREGISTER":
                     self.registrations.discard((args[0], args[1] if len(args) > 1 else ""))
