@@ -83,10 +83,18 @@ class LookupPeer:
             except (OSError, trio.BrokenResourceError, trio.TooSlowError, ValueError, EOFError) as exc:
                 log.warning("lookupd connection failed", lookupd=self.address, error=str(exc) or type(exc).__name__)
             self.registered.clear()
-            await trio.sleep(backoff)
+            await self._wait_to_reconnect(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF)
 
+    async def _wait_to_reconnect(self, delay: float) -> None:
+        """Back off, but reconnect at once for a topic or channel that came or went,
+        as nsqd's lookup peer connects for the command announcing it."""
+        if not self._dirty:
+            with trio.move_on_after(delay):
+                await self._changed.park()
+
     async def _session(self) -> None:
+        self._dirty = False  # what changed from here on is told by this connection
         host, port = split_host_port(self.address)
         with trio.fail_after(CONNECT_TIMEOUT):
             stream = await trio.open_tcp_stream(host or "127.0.0.1", port)

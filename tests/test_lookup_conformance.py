@@ -28,3 +28,31 @@ async def test_reconnect_registers_channels_and_only_channelless_topics(tmp_path
             assert sorted(lookupd.commands[1:4]) == ["REGISTER a x", "REGISTER a y", "REGISTER b"]
             assert lookupd.commands[4:] == ["REGISTER c"]
         nursery.cancel_scope.cancel()
+
+
+class RefusingLookupd(Lookupd):
+    """Hangs up on every connection while ``refusing`` is set."""
+
+    refusing = True
+
+    async def handle(self, stream):
+        if not self.refusing:
+            return await super().handle(stream)
+        self.connections += 1
+        await stream.aclose()
+        self.changed.set()
+        self.changed = trio.Event()
+
+
+async def test_a_new_topic_reconnects_at_once_while_lookupd_is_unreachable(tmp_path):
+    """nsqd's lookup peer connects for the command announcing a new topic, so nsqlookupd
+    learns of it as soon as it is back, whatever the wait between reconnections."""
+    lookupd = RefusingLookupd()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lookupd.serve)
+        async with running_nsqd(tmp_path, lookupd_tcp_addresses=lookupd_address(lookupd)) as nsqd:
+            await lookupd.wait_for(lambda: lookupd.connections == 2)  # now waiting 2 s to reconnect
+            lookupd.refusing = False
+            nsqd.get_topic("orders")
+            await lookupd.wait_for(lambda: ("orders", "") in lookupd.registrations, timeout=1.5)
+        nursery.cancel_scope.cancel()
