@@ -29,8 +29,9 @@ if TYPE_CHECKING:
 log = structlog.get_logger("nsqd.lookup")
 
 PING_INTERVAL = 15.0
-CONNECT_TIMEOUT = 2.0
-RESPONSE_TIMEOUT = 5.0
+#: nsqd's lookup peer gives the dial, and each read, a second
+CONNECT_TIMEOUT = 1.0
+RESPONSE_TIMEOUT = 1.0
 MAX_BACKOFF = 15.0
 
 

@@ -56,3 +56,27 @@ async def test_a_new_topic_reconnects_at_once_while_lookupd_is_unreachable(tmp_p
             nsqd.get_topic("orders")
             await lookupd.wait_for(lambda: ("orders", "") in lookupd.registrations, timeout=1.5)
         nursery.cancel_scope.cancel()
+
+
+async def test_an_unanswered_identify_is_given_up_after_a_second(tmp_path):
+    """nsqd's lookup peer reads with a one-second deadline and closes the connection
+    when nsqlookupd does not answer in time."""
+    hung_up_after = []
+    hung_up = trio.Event()
+
+    async def silent(stream):
+        start = trio.current_time()
+        while await stream.receive_some(4096):
+            pass
+        hung_up_after.append(trio.current_time() - start)
+        hung_up.set()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        nursery.start_soon(trio.serve_listeners, silent, listeners)
+        port = listeners[0].socket.getsockname()[1]
+        async with running_nsqd(tmp_path, lookupd_tcp_addresses=[f"127.0.0.1:{port}"]):
+            with trio.fail_after(3):
+                await hung_up.wait()
+        nursery.cancel_scope.cancel()
+    assert 0.9 <= hung_up_after[0] < 2
