@@ -17,12 +17,11 @@ import ssl
 from dataclasses import dataclass
 from urllib.parse import urlencode, urlsplit
 
-import h11
 import trio
 
+from .http_client import FAILURES, ResponseError, exchange
+
 PERMISSIONS = ("subscribe", "publish")
-#: the largest auth server response we read
-MAX_RESPONSE = 1024 * 1024
 
 
 class AuthError(Exception):
@@ -93,7 +92,7 @@ async def query_any(addresses: list[str], *, remote_ip: str, tls: bool, secret: 
             body = await _request(address, remote_ip, tls, secret, common_name, method,
                                   connect_timeout, request_timeout, ssl_context)
             return parse_reply(body, now)
-        except (AuthError, OSError, trio.TooSlowError, trio.BrokenResourceError, h11.ProtocolError) as exc:
+        except (AuthError, ResponseError, *FAILURES) as exc:
             errors.append(f"failed to auth against {address} - {exc or type(exc).__name__}")
     raise AuthError("; ".join(errors))
 
@@ -122,33 +121,6 @@ async def _request(address, remote_ip, tls, secret, common_name, method, connect
             stream = trio.SSLStream(stream, ssl_context or ssl.create_default_context(),
                                     server_hostname=url.hostname)
         with trio.fail_after(request_timeout):
-            return await _exchange(stream, method.upper(), target, headers, body)
+            return await exchange(stream, method.upper(), target, headers, body)
     finally:
         await stream.aclose()
-
-
-async def _exchange(stream, method: str, target: str, headers, body: bytes) -> bytes:
-    conn = h11.Connection(h11.CLIENT)
-    data = conn.send(h11.Request(method=method, target=target, headers=headers))
-    if body:
-        data += conn.send(h11.Data(data=body))
-    data += conn.send(h11.EndOfMessage())
-    await stream.send_all(data)
-    status, chunks, size = 0, [], 0
-    while True:
-        event = conn.next_event()
-        if event is h11.NEED_DATA:
-            conn.receive_data(await stream.receive_some(65536))
-            continue
-        if isinstance(event, h11.Response):
-            status = event.status_code
-        elif isinstance(event, h11.Data):
-            size += len(event.data)
-            if size > MAX_RESPONSE:
-                raise AuthError("auth reply too large")
-            chunks.append(event.data)
-        elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
-            break
-    if status != 200:
-        raise AuthError(f"got response {status}")
-    return b"".join(chunks)

@@ -29,7 +29,7 @@ import json
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -189,6 +189,12 @@ class Broker:
         self._backlog_lot = trio.lowlevel.ParkingLot()
         self._metadata_dirty = trio.Event()
         self._loading = False
+        #: nsqlookupd's HTTP addresses, and how to ask them for a topic's channels (set by the lookup
+        #: service): a new topic starts with the channels they know, as in nsqd
+        self.lookupd_http_addresses: Callable[[], list[str]] = list
+        self.topic_channels: Callable[..., Awaitable[list[str]]] | None = None
+        self._starting: deque[tuple[Topic, list[str]]] = deque()
+        self._starting_lot = trio.lowlevel.ParkingLot()
 
     @property
     def health(self) -> str:
@@ -342,7 +348,34 @@ class Broker:
             self.topics[name] = topic
             log.info("TOPIC created", topic=name)
             self._topic_changed(topic)
+            addresses = [] if self._loading else self.lookupd_http_addresses()
+            if addresses:  # it keeps what is published until they answered (see _start_topic)
+                topic.starting = True
+                self._starting.append((topic, addresses))
+                self._starting_lot.unpark_all()
         return topic
+
+    async def _topic_starter(self) -> None:
+        """Start new topics once nsqlookupd named their channels, each in its own task."""
+        async with trio.open_nursery() as starting:
+            while True:
+                while not self._starting:
+                    await self._starting_lot.park()
+                starting.start_soon(self._start_topic, *self._starting.popleft())
+
+    async def _start_topic(self, topic: Topic, addresses: list[str]) -> None:
+        """Create the channels nsqlookupd knows for a new topic, then hand on what it kept meanwhile."""
+        names = await self.topic_channels(addresses, topic.name) if self.topic_channels else []
+        if self.topics.get(topic.name) is not topic:
+            return  # deleted meanwhile
+        try:
+            for name in names:
+                topic.get_channel(name)
+        except ChannelExiting:
+            return
+        if names:
+            log.info("channels from nsqlookupd", topic=topic.name, channels=names)
+        topic.start()
 
     def dead_letter(self, topic_name: str, frames: list[bytes]) -> None:
         """Publish messages a channel gave up on to ``<topic><suffix>``, ids and attempts kept."""
@@ -732,6 +765,7 @@ class Broker:
                     core.start_soon(queue_scan_loop, self)
                     core.start_soon(self._backlog_mover)
                     core.start_soon(self._metadata_writer)
+                    core.start_soon(self._topic_starter)
                     for topic in self.topics.values():
                         if topic.channels and topic.backend_depth:
                             self._schedule_backlog(topic)

@@ -8,6 +8,13 @@ channels come and go, and ``PING`` every 15 seconds. Each answer is
 registrations the daemon should have with what it has told nsqlookupd and
 sends the difference, so a reconnect simply starts from an empty set and
 re-registers everything.
+
+A topic created while running (not loaded from ``nsqd.dat``) asks every
+nsqlookupd that answered an ``IDENTIFY`` for the topic's channels
+(:func:`topic_channels`, ``GET /channels`` at its broadcast address and HTTP
+port) and starts with them, as nsqd's GetTopic does: channels other daemons'
+consumers use then get the topic's first messages too. Until the answers
+are in, the topic keeps what is published (``Topic.starting``).
 """
 
 from __future__ import annotations
@@ -15,12 +22,16 @@ from __future__ import annotations
 import json
 import socket
 import struct
+from functools import partial
 from typing import TYPE_CHECKING
+from urllib.parse import urlencode
 
 import structlog
 import trio
 
-from .options import split_host_port
+from . import http_client
+from .names import is_valid_channel_name
+from .options import join_host_port, split_host_port
 from .version import NSQD_VERSION
 
 if TYPE_CHECKING:
@@ -71,6 +82,14 @@ class LookupPeer:
         self.info: dict = {}
         self._changed = trio.lowlevel.ParkingLot()
         self._dirty = False
+
+    @property
+    def http_address(self) -> str | None:
+        """nsqlookupd's HTTP address from its IDENTIFY answer (kept after a disconnect, as nsqd does)."""
+        host, port = self.info.get("broadcast_address"), self.info.get("http_port")
+        if not host or not isinstance(host, str) or type(port) is not int:
+            return None
+        return join_host_port(host, port)
 
     def notify(self) -> None:
         self._dirty = True
@@ -212,6 +231,9 @@ async def lookup_loop(nsqd: Broker) -> None:
             peer.notify()
 
     nsqd.on_topology_change.append(notify)
+    nsqd.lookupd_http_addresses = lambda: [a for peer, _ in peers.values() if (a := peer.http_address)]
+    nsqd.topic_channels = partial(topic_channels, connect_timeout=nsqd.options.http_client_connect_timeout,
+                                  request_timeout=nsqd.options.http_client_request_timeout)
     try:
         async with trio.open_nursery() as nursery:
             seen = -1
@@ -228,8 +250,36 @@ async def lookup_loop(nsqd: Broker) -> None:
                 seen = await nsqd.wait_options_changed(max(seen, nsqd.options_version))
     finally:
         nsqd.on_topology_change.remove(notify)
+        nsqd.lookupd_http_addresses = list
 
 
 async def _run_peer(peer: LookupPeer, scope: trio.CancelScope) -> None:
     with scope:
         await peer.run()
+
+
+async def topic_channels(addresses: list[str], topic: str, *, connect_timeout: float,
+                         request_timeout: float) -> list[str]:
+    """The channels the nsqlookupds know for a topic (``GET /channels``), asked in parallel.
+
+    What a new topic starts with, as nsqd's GetTopic asks: ``#ephemeral``
+    ones are left out, and a lookupd that fails is logged and skipped.
+    """
+    found: set[str] = set()
+    target = "/channels?" + urlencode({"topic": topic})
+
+    async def ask(address: str) -> None:
+        headers = [("host", address), ("accept", "application/vnd.nsq; version=1.0")]
+        try:
+            host, port = split_host_port(address)
+            body = await http_client.get(host, port, target, headers, connect_timeout, request_timeout)
+            names = json.loads(body)["channels"]
+            found.update(name for name in names if isinstance(name, str) and is_valid_channel_name(name)
+                         and not name.endswith("#ephemeral"))
+        except (http_client.ResponseError, ValueError, KeyError, TypeError, *http_client.FAILURES) as exc:
+            log.warning("lookupd channels query failed", lookupd=address, topic=topic, error=str(exc) or type(exc).__name__)
+
+    async with trio.open_nursery() as nursery:
+        for address in addresses:
+            nursery.start_soon(ask, address)
+    return sorted(found)

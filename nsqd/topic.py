@@ -6,7 +6,8 @@ each channel first writes what must be on disk (:meth:`Channel.prepare_put`),
 and only when every write succeeded do they queue it, so a full disk refuses
 the publish and leaves no partial copy behind.
 
-While a topic has no channel, or is paused, it keeps what is published itself
+While a topic has no channel, is paused, or is still starting (a new topic
+waits for nsqlookupd to name its channels), it keeps what is published itself
 (memory up to ``mem_queue_size``, then its own disk queue; a durable publish
 goes to disk at once), as nsqd does, and hands that backlog on once it can:
 the memory part at once, the disk part in bounded steps driven by the daemon
@@ -67,6 +68,8 @@ class Topic:
         self.clock = clock
         self.channels: dict[str, Channel] = {}
         self.paused = False
+        #: new, and waiting for nsqlookupd to name its channels: keeps what is published (see :meth:`start`)
+        self.starting = False
         self.exiting = False
         self._open_channel_backend = open_channel_backend
         self._on_channels_changed = on_channels_changed
@@ -262,7 +265,7 @@ class Topic:
             return []
         self._check_room(frames)
         channels = self.channels
-        if channels and not self.paused:
+        if channels and not self.paused and not self.starting:
             self._fan_out(ids, frames, durable, due_ns)
             queues = [c.backend for c in channels.values() if durable and c.backend is not None]
         else:
@@ -305,7 +308,7 @@ class Topic:
 
     # ------------------------------------------------------------ backlog
     def _release_backlog(self) -> None:
-        if not self.channels or self.paused:
+        if not self.channels or self.paused or self.starting:
             return
         while self._chunks:
             ids, frames, due_ns = self._chunks[0]
@@ -326,7 +329,7 @@ class Topic:
         Returns whether more remains and, for a durable topic, the channel
         queues to fsync before :meth:`backlog_moved` may release the step.
         """
-        if not self.channels or self.paused:
+        if not self.channels or self.paused or self.starting:
             return False, []
         if self._chunks:
             self._release_backlog()
@@ -410,6 +413,11 @@ class Topic:
                 except message.BadRecord:
                     self.dropped_count += 1
         return frames
+
+    def start(self) -> None:
+        """Its channels are known: hand on what was kept meanwhile, as nsqd starts a topic's pump."""
+        self.starting = False
+        self._release_backlog()
 
     def pause(self) -> None:
         self.paused = True

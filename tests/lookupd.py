@@ -8,7 +8,7 @@ producer is forgotten with its connection.
 
 HTTP answers what consumers ask nsqlookupd: ``GET /lookup?topic=`` with the
 topic's channels and the producers that registered it (404 TOPIC_NOT_FOUND
-when none did), ``GET /ping``, ``GET /topics`` and ``GET /nodes``, in
+when none did), ``GET /ping``, ``GET /channels?topic=``, ``GET /topics`` and ``GET /nodes``, in
 nsqlookupd 1.x's JSON.
 """
 
@@ -163,6 +163,12 @@ class NSQLookupd:
             if found is None:
                 return 404, b'{"message":"TOPIC_NOT_FOUND"}', as_json
             return 200, json.dumps(found).encode(), as_json
+        if url.path == "/channels":
+            if "topic" not in query:
+                return 400, b'{"message":"MISSING_ARG_TOPIC"}', as_json
+            topic = query["topic"][0]
+            channels = sorted({c for p in self.producers.values() for t, c in p.registrations if t == topic and c})
+            return 200, json.dumps({"channels": channels}).encode(), as_json
         if url.path == "/topics":
             return 200, json.dumps({"topics": self.topics()}).encode(), as_json
         if url.path == "/nodes":

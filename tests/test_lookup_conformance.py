@@ -80,3 +80,64 @@ async def test_an_unanswered_identify_is_given_up_after_a_second(tmp_path):
                 await hung_up.wait()
         nursery.cancel_scope.cancel()
     assert 0.9 <= hung_up_after[0] < 2
+
+
+async def _connected(nsqd, lookupd) -> None:
+    """nsqd has identified to the HTTP-serving test nsqlookupd (so it knows its HTTP address)."""
+    nsqd.set_option("lookupd_tcp_addresses", [f"127.0.0.1:{lookupd.tcp_port}"])
+    await lookupd.wait_for(lambda: lookupd.producers)
+    with trio.fail_after(5):
+        while not nsqd.lookupd_http_addresses():
+            await trio.sleep(0.01)
+
+
+async def test_a_new_topic_starts_with_the_channels_nsqlookupd_knows(tmp_path):
+    """As nsqd's GetTopic: the channels other nsqds registered for the topic (not #ephemeral ones)
+    are created before the topic hands out its first message, so each gets it."""
+    from .lookupd import NSQLookupd, Producer
+
+    lookupd = NSQLookupd()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lookupd.serve)
+        lookupd.producers[-1] = Producer("10.0.0.9:4150", {}, {("t", ""), ("t", "a"), ("t", "b"),
+                                                                 ("t", "e#ephemeral"), ("other", "x")})
+        async with running_nsqd(tmp_path) as nsqd:
+            await _connected(nsqd, lookupd)
+            nsqd.publish("t", [b"first"])
+            topic = nsqd.topics["t"]
+            with trio.fail_after(5):
+                while topic.starting:
+                    await trio.sleep(0.01)
+            assert sorted(topic.channels) == ["a", "b"]
+            assert [c.depth for c in topic.channels.values()] == [1, 1]
+            assert any(target.startswith("/channels?topic=t") for target in lookupd.requests)
+            nsqd.publish("u", [b"a topic nobody registered starts with no channel"])
+            with trio.fail_after(5):
+                while nsqd.topics["u"].starting:
+                    await trio.sleep(0.01)
+            assert nsqd.topics["u"].channels == {}
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_new_topic_starts_without_channels_when_nsqlookupd_does_not_answer(tmp_path):
+    """A lookupd whose HTTP port refuses: the query is logged and skipped, and the topic starts
+    (a consumer that subscribed meanwhile gets what was published)."""
+    from .lookupd import NSQLookupd
+    from .support import NSQConnection, tcp_port
+
+    lookupd = NSQLookupd()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lookupd.serve)
+        with trio.socket.socket() as unused:
+            await unused.bind(("127.0.0.1", 0))
+            lookupd.http_port = unused.getsockname()[1]  # what IDENTIFY's answer names: nothing listens
+        async with running_nsqd(tmp_path) as nsqd:
+            await _connected(nsqd, lookupd)
+            consumer = await NSQConnection.open(tcp_port(nsqd))
+            await consumer.sub("t", "c")
+            await consumer.command("RDY 1")
+            nsqd.publish("t", [b"kept, then handed on"])
+            msg = await consumer.read_message()
+            assert msg.body == b"kept, then handed on"
+            assert not nsqd.topics["t"].starting
+        nursery.cancel_scope.cancel()
