@@ -7,6 +7,10 @@ batch is one ``pwrite`` per segment it touches. If any write fails (a full
 disk, an I/O error) the batch is rolled back: the segment is cut back to where
 the batch began and segments it created are removed, so the caller can refuse
 the whole batch and nothing of it reappears after a restart.
+
+Once a segment holds ``RESERVE_AHEAD`` bytes, its blocks are reserved that
+far ahead of its end (``nsqd/diskq/reserve.py``), so a busy queue's appends
+land in allocated blocks and a small queue reserves nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +22,12 @@ from operator import add
 from os import pwrite
 
 from .naming import QueueFiles
+from .reserve import reserve
 from .records import RECORD_HEADER_SIZE, SEGMENT_HEADER_SIZE, encode_record, encode_records, position, segment_header
+
+
+#: how far ahead of a busy segment's end its blocks are reserved (the first this many bytes are not)
+RESERVE_AHEAD = 4 << 20
 
 
 class SegmentWriter:
@@ -35,6 +44,8 @@ class SegmentWriter:
         self.end = end
         """Bytes of the current segment in its file; 0 while the file does not exist."""
         self._fd: int | None = None
+        #: the current segment's blocks are reserved up to here (or it is below RESERVE_AHEAD)
+        self._reserved = 0
         self.retired: list[int] = []
         self.directory_changed = False
 
@@ -50,6 +61,8 @@ class SegmentWriter:
         if not self.end:
             data = segment_header() + data
         fd = self._current_fd()
+        if self.end + len(data) > self._reserved:
+            self._reserve(fd, self.end + len(data))
         self._write_all(fd, data, self.end, rollback_to=self.end)
         self.end += len(data)
         if not want_positions:
@@ -98,14 +111,24 @@ class SegmentWriter:
                 _unlink_quietly(self._files.segment_path(number))
             if first_fd is not None:
                 _truncate_quietly(first_fd, first_end)
+                self._reserved = 0
             raise
         if opened:  # every sealed segment's descriptor waits for the next sync
             if first_fd is not None:
                 self.retired.append(first_fd)
             self.retired += [fd for _, fd in opened[:-1]]
             self.segment, self._fd = opened[-1]
+            self._reserved = 0
         self.end = groups[-1][1] + len(groups[-1][2])
         return positions if want_positions else None
+
+    def _reserve(self, fd: int, needed: int) -> None:
+        """Reserve blocks ``RESERVE_AHEAD`` past ``needed`` (once the segment holds that much)."""
+        if needed <= RESERVE_AHEAD:
+            self._reserved = RESERVE_AHEAD
+            return
+        start, self._reserved = self._reserved, min(needed + RESERVE_AHEAD, self._max_bytes)
+        reserve(fd, start, self._reserved - start)  # refused: the writes allocate as they go
 
     def _write_all(self, fd: int, data: bytes | bytearray, offset: int, rollback_to: int | None) -> None:
         view = memoryview(data)
@@ -116,6 +139,7 @@ class SegmentWriter:
         except OSError:
             if written and rollback_to is not None:
                 _truncate_quietly(fd, rollback_to)
+                self._reserved = 0  # a truncate frees the blocks reserved past the size
             raise
 
     def _current_fd(self) -> int:
@@ -143,6 +167,7 @@ class SegmentWriter:
         if self._fd is not None:
             os.ftruncate(self._fd, end)
         self.end = end
+        self._reserved = 0
 
     def unsynced_fds(self) -> list[int]:
         """Descriptors whose data a sync must cover: sealed segments, then the current one."""
@@ -161,6 +186,7 @@ class SegmentWriter:
         self.close()
         self.segment = segment
         self.end = 0
+        self._reserved = 0
 
     def close(self) -> None:
         for fd in [*([] if self._fd is None else [self._fd]), *self.retired]:
