@@ -43,6 +43,8 @@ PING_INTERVAL = 15.0
 #: nsqd's lookup peer gives the dial, and each read, a second
 CONNECT_TIMEOUT = 1.0
 RESPONSE_TIMEOUT = 1.0
+#: the wait before reconnecting after a failure, doubled up to MAX_BACKOFF while failures go on
+FIRST_BACKOFF = 1.0
 MAX_BACKOFF = 15.0
 
 
@@ -80,6 +82,8 @@ class LookupPeer:
         self.address = address
         self.registered: set[tuple[str, str]] = set()
         self.info: dict = {}
+        #: the current session got an answer to IDENTIFY
+        self.identified = False
         self._changed = trio.lowlevel.ParkingLot()
         self._dirty = False
 
@@ -96,13 +100,18 @@ class LookupPeer:
         self._changed.unpark_all()
 
     async def run(self) -> None:
-        backoff = 1.0
+        """Keep a session up: after a failure, wait ``FIRST_BACKOFF``, then twice as long each time
+        up to ``MAX_BACKOFF``; a session that got as far as IDENTIFY starts the wait afresh."""
+        backoff = FIRST_BACKOFF
         while True:
+            self.identified = False
             try:
                 await self._session()
             except (OSError, trio.BrokenResourceError, trio.TooSlowError, ValueError, EOFError) as exc:
                 log.warning("lookupd connection failed", lookupd=self.address, error=str(exc) or type(exc).__name__)
             self.registered.clear()
+            if self.identified:
+                backoff = FIRST_BACKOFF
             await self._wait_to_reconnect(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF)
 
@@ -127,6 +136,7 @@ class LookupPeer:
             if response.startswith(b"E_"):
                 raise ValueError(f"lookupd refused IDENTIFY: {response.decode(errors='replace')}")
             self.info = json.loads(response)
+            self.identified = True
             log.info("lookupd connected", lookupd=self.address, info=self.info)
             await self._register_all(stream, reader)
             next_ping = trio.current_time() + PING_INTERVAL

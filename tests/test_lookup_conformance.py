@@ -2,6 +2,8 @@
 
 import trio
 
+from nsqd import lookup
+
 from .support import running_nsqd
 from .test_lookup import Lookupd
 
@@ -141,3 +143,39 @@ async def test_a_new_topic_starts_without_channels_when_nsqlookupd_does_not_answ
             assert msg.body == b"kept, then handed on"
             assert not nsqd.topics["t"].starting
         nursery.cancel_scope.cancel()
+
+
+class FlakyLookupd(Lookupd):
+    """Hangs up at once on the first ``refuse`` connections, then after answering IDENTIFY."""
+
+    def __init__(self, refuse):
+        super().__init__()
+        self.refuse = refuse
+        self.times: list[float] = []
+
+    async def handle(self, stream):
+        self.times.append(trio.current_time())
+        if len(self.times) > self.refuse:
+            with trio.move_on_after(0.05):  # IDENTIFY answered, then the connection drops
+                await super().handle(stream)
+        else:
+            self.connections += 1
+        await stream.aclose()
+        self.changed.set()
+        self.changed = trio.Event()
+
+
+async def test_a_session_that_identified_starts_the_backoff_afresh(tmp_path, monkeypatch):
+    """Failures in a row double the wait; a session that was up (IDENTIFY answered) and then
+    dropped is retried after the first wait again, not after the doubled one."""
+    monkeypatch.setattr(lookup, "FIRST_BACKOFF", 0.1)
+    lookupd = FlakyLookupd(refuse=4)  # waits 0.1, 0.2, 0.4, 0.8 after these
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lookupd.serve)
+        async with running_nsqd(tmp_path, lookupd_tcp_addresses=lookupd_address(lookupd)):
+            await lookupd.wait_for(lambda: lookupd.connections == 6, timeout=10)
+        nursery.cancel_scope.cancel()
+    gaps = [b - a for a, b in zip(lookupd.times, lookupd.times[1:])]
+    assert gaps[3] > 0.7  # the fourth failure in a row: 0.8 s
+    assert lookupd.identify is not None
+    assert gaps[4] < 0.5  # the fifth connection identified: back to 0.1 s (plus its 0.05 s)
