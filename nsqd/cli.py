@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -151,7 +152,24 @@ def parse_args(argv: Sequence[str]) -> Options:
     return options
 
 
+def raise_open_file_limit() -> None:
+    """Raise the soft open-file limit to the hard one, as every Go program (nsqd too) does at start.
+
+    Each topic and channel keeps descriptors open (its disk queue's lock,
+    segment and checkpoint files), so a soft limit of 1,024, common by
+    default, runs out at a few hundred of them, where Go nsqd would go on.
+    Runs before the options, whose ``--max-connections`` default follows the limit.
+    """
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError):  # refused (an infinite hard limit above fs.nr_open): keep the soft one
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> NoReturn:
+    raise_open_file_limit()
     options = parse_args(sys.argv[1:] if argv is None else argv)
     configure_logging(options)
     from nsqd.nsqd import run  # late: parsing flags must not need the daemon

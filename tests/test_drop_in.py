@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import re
+import resource
 import socket
 import ssl
+import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 import pytest
 import trio
@@ -144,3 +147,28 @@ async def test_without_a_certificate_https_stays_off_and_amqp_is_opt_in(tmp_path
         assert not [line for line in said if "HTTPS" in line or "AMQP" in line], said
     finally:
         await daemon.kill()
+
+
+async def test_the_soft_open_file_limit_is_raised_to_the_hard_one(tmp_path):
+    """Go programs raise RLIMIT_NOFILE's soft limit to the hard one at start; so do we, so a
+    daemon started under a soft limit of 256 has the hard limit's room for topics and channels."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 256:
+        pytest.skip(f"the hard open-file limit here is {hard}")
+
+    def lower_soft_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+
+    proc = subprocess.Popen([sys.executable, "-m", "nsqd", "--tcp-address", "127.0.0.1:0", "--http-address",
+                             "127.0.0.1:0", "--data-path", str(tmp_path)], preexec_fn=lower_soft_limit,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:
+            if "HTTP: listening on" in line:
+                break
+        limits = (Path("/proc") / str(proc.pid) / "limits").read_text()
+        soft = re.search(r"^Max open files\s+(\S+)", limits, re.M)[1]
+        assert soft == ("unlimited" if hard == resource.RLIM_INFINITY else str(hard))
+    finally:
+        proc.terminate()
+        proc.wait(30)
