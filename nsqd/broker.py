@@ -464,8 +464,13 @@ class Broker:
         )
 
     def open_backend(self, queue_name: str) -> diskq.DiskQueue:
-        if goimport.go_queue_exists(queue_name, self.data_path):
-            self._import_go_queue(queue_name)
+        """Open (or create) a queue's files, first taking over what Go nsqd left for it; raises DiskQueueError."""
+        try:
+            if goimport.go_queue_exists(queue_name, self.data_path):
+                self._import_go_queue(queue_name)
+        except OSError as exc:  # the directory cannot be listed or read (out of descriptors, I/O error)
+            raise diskq.DiskQueueError(f"disk queue {queue_name!r}: cannot take over Go nsqd's files in "
+                                       f"{self.data_path}: {exc}") from exc
         backend = diskq.DiskQueue(queue_name, self.data_path, **self._disk_queue_options())
         if self._queues_nursery is not None:
             self._queues_nursery.start_soon(self._run_backend, backend)
@@ -504,16 +509,23 @@ class Broker:
         backend = diskq.DiskQueue(queue_name, self.data_path, **self._disk_queue_options())
         imported = 0
         batch: list[bytes] = []
-        for data in goimport.iter_go_queue(queue_name, self.data_path,
-                                                 max_msg_size=self.options.max_msg_size + 64):
-            batch.append(message.from_go_message(data))
-            if len(batch) >= 1000:
+        try:
+            for data in goimport.iter_go_queue(queue_name, self.data_path,
+                                               max_msg_size=self.options.max_msg_size + 64):
+                batch.append(message.from_go_message(data))
+                if len(batch) >= 1000:
+                    backend.put_many(batch)
+                    imported += len(batch)
+                    batch = []
+            if batch:
                 backend.put_many(batch)
                 imported += len(batch)
-                batch = []
-        if batch:
-            backend.put_many(batch)
-            imported += len(batch)
+        except BaseException:  # Go's files stay, to be taken over next time (duplicates at worst)
+            try:
+                backend.close()
+            except diskq.DiskQueueError:
+                pass
+            raise
         backend.close()
         goimport.remove_go_queue(queue_name, self.data_path)
         log.info("imported Go nsqd queue", queue=queue_name, messages=imported)

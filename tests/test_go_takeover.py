@@ -3,6 +3,7 @@
 import json
 import struct
 
+from .conftest import HTTPClient
 from .support import NSQConnection, running_nsqd, tcp_port
 
 
@@ -57,3 +58,22 @@ async def test_go_data_directory_is_taken_over(tmp_path):
     async with running_nsqd(tmp_path) as nsqd:  # no second import, no duplicates
         assert nsqd.topics["t"].channels["c"].depth == 0
         assert nsqd.topics["t"].channels["p"].depth == 3
+
+
+async def test_go_files_that_cannot_be_read_refuse_the_publish_not_the_daemon(tmp_path):
+    """A Go segment that cannot be read (here a directory where the file should be) makes the
+    topic's storage fail: the publish is refused as any storage failure is (503 over HTTP,
+    E_PUB_FAILED over TCP), Go's files stay for a later try, and other topics go on."""
+    (tmp_path / "orders.diskqueue.000000.dat").mkdir()
+    async with running_nsqd(tmp_path, http_address="127.0.0.1:0") as nsqd:
+        http = HTTPClient(nsqd.http_addresses[0][1])
+        response = await http.request("POST", "/pub?topic=orders", b"hello")
+        assert response.status == 503
+        assert "cannot take over Go nsqd's files" in response.json()["message"]
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.command("PUB orders", b"hello")
+        await conn.expect_error("E_PUB_FAILED")
+        await conn.pub("payments", b"still served")  # the error was not fatal
+        response = await http.request("POST", "/pub?topic=payments", b"hello")
+        assert (response.status, response.body) == (200, b"OK")
+    assert (tmp_path / "orders.diskqueue.000000.dat").is_dir()
