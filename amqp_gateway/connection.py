@@ -306,6 +306,9 @@ class Connection:
     def _on_frame(self, channel: int, body: bytes, events: list) -> None:
         if not body:
             return  # a heartbeat
+        if channel > self.channel_max and self.open_sent:
+            # spec 2.7.1: a channel number beyond our channel-max closes the connection with framing-error
+            raise ConnectionFault(FRAMING_ERROR, f"channel {channel} exceeds channel-max {self.channel_max}")
         if len(body) < 4 or body[0] != 0:
             raise ConnectionFault(DECODE_ERROR, "frame body is not a described performative")
         if body[1] == 0x53:
@@ -400,8 +403,6 @@ class Connection:
         if channel in self._remote_sessions:
             raise ConnectionFault(NOT_ALLOWED, f"channel {channel} already has a session")
         if begin.remote_channel is None:
-            if channel > self.channel_max:
-                raise ConnectionFault(NOT_ALLOWED, f"channel {channel} exceeds channel-max {self.channel_max}")
             session = self._new_session()
             session.remote_channel = channel
             session.on_begin(begin)

@@ -146,7 +146,8 @@ def _close_error(server: Connection, events: list) -> str:
     (encode_frame(0, b"\x00\x53\x99\x45"), errors.DECODE_ERROR),                      # unknown performative
     (encode_frame(0, p.Open("again").encode_amqp()), errors.ILLEGAL_STATE),           # second open
     (encode_frame(3, p.Flow(0, 1, 0, 1).encode_amqp()), errors.ILLEGAL_STATE),        # no session there
-    (encode_frame(300, p.Begin(None, 0, 10, 10).encode_amqp()), errors.NOT_ALLOWED),  # beyond channel-max
+    (encode_frame(300, p.Begin(None, 0, 10, 10).encode_amqp()), errors.FRAMING_ERROR),  # beyond channel-max
+    (encode_frame(300, p.Flow(0, 1, 0, 1).encode_amqp()), errors.FRAMING_ERROR),        # (spec 2.7.1)
     (encode_frame(0, b"x" * 200_000), errors.FRAMING_ERROR),                          # beyond max-frame-size
     (encode_frame(0, p.Close().encode_amqp() + b"junk"), errors.DECODE_ERROR),        # payload after close
 ])
