@@ -38,10 +38,10 @@ from .addresses import channel_address, topic_address
 from .connection import Connection
 from .consumer import LinkConsumer
 from .errors import (
-    INVALID_FIELD, NOT_IMPLEMENTED, RESOURCE_DELETED, RESOURCE_LIMIT_EXCEEDED, UNAUTHORIZED_ACCESS, LinkRefused,
+    INVALID_FIELD, RESOURCE_DELETED, RESOURCE_LIMIT_EXCEEDED, UNAUTHORIZED_ACCESS, LinkRefused,
 )
 from .link import Link
-from .performatives import RCV_FIRST, RCV_SECOND, SND_SETTLED, SND_UNSETTLED, Error, Source, Target
+from .performatives import RCV_FIRST, RCV_SECOND, SND_SETTLED, SND_UNSETTLED, Attach, Error, Source, Target
 from .publisher import LinkPublisher, Pending
 from .sasl import Authenticate, SaslServer
 
@@ -199,8 +199,6 @@ class GatewayConnection:
     def _attach(self, link: Link, now_ns: int) -> None:
         attach = link.remote_attach
         try:
-            if attach.rcv_settle_mode == RCV_SECOND:
-                raise LinkRefused(NOT_IMPLEMENTED, "rcv-settle-mode second is not supported: use first")
             if link.is_sender:
                 self._attach_consumer(link, now_ns)
             else:
@@ -234,7 +232,7 @@ class GatewayConnection:
             raise LinkRefused(condition, f"cannot subscribe: {exc}") from None
         self.consumers[link] = consumer
         link.attach(Source(source.address, outcomes=_OUTCOMES), attach.target, snd_settle_mode=snd_mode,
-                    rcv_settle_mode=RCV_FIRST)
+                    rcv_settle_mode=_rcv_settle_mode(attach))
         log.info("AMQP consumer attached", client=self.remote_address, link=link.name, topic=topic_name,
                  channel=channel_name, presettled=consumer.presettled)
 
@@ -253,7 +251,7 @@ class GatewayConnection:
         publisher = LinkPublisher(link, topic_name, self.nsqd, self.pub_counts, self._wake)
         self.publishers[link] = publisher
         link.attach(attach.source, Target(target.address), snd_settle_mode=attach.snd_settle_mode,
-                    rcv_settle_mode=RCV_FIRST)
+                    rcv_settle_mode=_rcv_settle_mode(attach))
         publisher.grant()
         log.info("AMQP publisher attached", client=self.remote_address, link=link.name, topic=topic_name)
 
@@ -302,6 +300,16 @@ class GatewayConnection:
             self._forget(link)
         self.publishers.clear()
         self.nsqd.remove_client(self)
+
+
+def _rcv_settle_mode(attach: Attach) -> int:
+    """The client's rcv-settle-mode, which we follow (spec 2.8.3).
+
+    Consuming, we settle every outcome the client sends unsettled at once,
+    which is all that second asks of a sender; publishing, our outcomes go
+    out unsettled under second and the client settles them.
+    """
+    return RCV_SECOND if attach.rcv_settle_mode == RCV_SECOND else RCV_FIRST
 
 
 def _noop() -> None:

@@ -609,3 +609,58 @@ async def test_a_link_whose_credit_went_to_0_does_not_keep_a_message_from_an_idl
         await publisher.pub("t", b"x")
         await idle_client.until(lambda: any(isinstance(e, ev.Transfers) for e in idle_client.events), timeout=3)
         assert [body_of(d) for d in idle_client.deliveries(idle)] == [b"x"]
+
+
+# ------------------------------------------------------------ settlement modes
+def record_dispositions(session) -> list:
+    """The dispositions the gateway sends on ``session``, recorded before the engine handles them."""
+    seen: list = []
+    handle = session.on_disposition
+
+    def on_disposition(disposition, events):
+        seen.append(disposition)
+        handle(disposition, events)
+
+    session.on_disposition = on_disposition
+    return seen
+
+
+async def test_rcv_settle_mode_second_consuming_our_settlement_follows_the_clients_outcome(tmp_path):
+    """Spec 2.8.3 and 3.4: under rcv-settle-mode second the receiver sends its outcome unsettled and
+    settles only once the sender has settled. The receiver's mode is the link's: we take it, and
+    answer the outcome with a settled disposition."""
+    async with gateway(tmp_path) as nsqd:
+        put(nsqd, "t", "c", [b"a"])
+        client = await Client.connect(nsqd.amqp_port)
+        seen = record_dispositions(client.session)
+        link = client.session.attach("second", p.RECEIVER)
+        link.attach(p.Source("/topics/t/channels/c"), p.Target(), snd_settle_mode=p.SND_UNSETTLED,
+                    rcv_settle_mode=p.RCV_SECOND)
+        await client.until(lambda: link.attach_received)
+        assert link.remote_attach.source is not None and link.remote_attach.rcv_settle_mode == p.RCV_SECOND
+        link.flow(1)
+        await client.until(lambda: any(isinstance(e, ev.Transfers) for e in client.events))
+        ((did, _tag, settled, _payload),) = client.deliveries(link)
+        assert not settled
+        client.session.send(p.Disposition(p.RECEIVER, did, did, False, p.Accepted()))
+        await client.until(lambda: seen)
+        assert [(d.role, d.first, d.settled, type(d.state)) for d in seen] == [(p.SENDER, did, True, p.Accepted)]
+        channel = nsqd.topics["t"].channels["c"]
+        assert channel.in_flight_count == 0 and not link.detach_received
+
+
+async def test_rcv_settle_mode_second_publishing_leaves_our_outcome_unsettled(tmp_path):
+    """Spec 2.8.3: a receiver in mode second does not settle before the sender: our accepted
+    goes out unsettled, the client settles it."""
+    async with gateway(tmp_path) as nsqd:
+        nsqd.declare("t", "c")
+        client = await Client.connect(nsqd.amqp_port)
+        seen = record_dispositions(client.session)
+        link = client.session.attach("second", p.SENDER)
+        link.attach(p.Source(), p.Target("/topics/t"), snd_settle_mode=p.SND_UNSETTLED, rcv_settle_mode=p.RCV_SECOND)
+        await client.until(lambda: link.attach_received and link.credit)
+        assert link.remote_attach.target is not None and link.remote_attach.rcv_settle_mode == p.RCV_SECOND
+        assert await client.publish(link, [b"x"]) == [p.Accepted()]
+        assert [(d.role, d.settled) for d in seen] == [(p.RECEIVER, False)]
+        await client.for_a_while(0.1)   # the client's settlement is taken quietly
+        assert nsqd.topics["t"].channels["c"].depth == 1 and not client.conn.finished
