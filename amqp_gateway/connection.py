@@ -109,7 +109,7 @@ class Connection:
         self.sasl_required = sasl_required
         self.max_frame_size = max_frame_size
         self.channel_max = channel_max
-        #: seconds without any frame from the peer after which we close (we announce it in open)
+        #: the idle-time-out we announce in open (the I/O layer closes after twice as long without a frame)
         self.idle_timeout = idle_timeout
         self.hostname = hostname
         self.properties = properties

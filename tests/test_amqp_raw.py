@@ -494,6 +494,20 @@ async def test_idle_timeout_closes_a_silent_client_and_heartbeats_keep_ours(tmp_
         assert raw.count(EMPTY_FRAME) >= 2   # one every 100 ms: half its idle timeout
 
 
+async def test_a_client_a_little_late_with_its_heartbeat_is_not_cut_off(tmp_path):
+    """Spec 2.4.5: a peer SHOULD announce half its real idle threshold, so that a frame the other
+    side sends at the announced interval, delayed on the way, arrives in time. A client whose empty
+    frames come every 1.2 announced intervals stays connected; a silent one is closed."""
+    async with gateway(tmp_path, amqp_options={"idle_timeout": 0.3}) as nsqd:
+        late = await Client.connect(nsqd.amqp_port, begin=False)
+        assert late.conn.peer_idle_timeout == 0.3
+        for _ in range(5):
+            await trio.sleep(0.36)
+            await late.stream.send_all(EMPTY_FRAME)
+        await late.for_a_while(0.05)
+        assert not late.conn.finished and not late.take(ev.ConnectionClosed)
+
+
 async def test_protocol_violation_closes_that_connection_only(tmp_path):
     async with gateway(tmp_path) as nsqd:
         bad = await Client.connect(nsqd.amqp_port)
