@@ -23,8 +23,8 @@ from typing import Any
 from . import codec
 from .codec import DecodeError
 from .errors import (
-    DECODE_ERROR, FRAMING_ERROR, ILLEGAL_STATE, NOT_ALLOWED, RESOURCE_LIMIT_EXCEEDED, UNAUTHORIZED_ACCESS,
-    ConnectionFault, SessionFault,
+    DECODE_ERROR, FRAMING_ERROR, ILLEGAL_STATE, INVALID_FIELD, NOT_ALLOWED, RESOURCE_LIMIT_EXCEEDED,
+    UNAUTHORIZED_ACCESS, ConnectionFault, SessionFault,
 )
 from .events import ConnectionClosed, ConnectionOpened, SaslLogin, SessionBegun, SessionEnded
 from .framing import (
@@ -410,7 +410,8 @@ class Connection:
         else:
             session = self.sessions.get(begin.remote_channel)
             if session is None or session.begin_received:
-                raise ConnectionFault(ILLEGAL_STATE, f"begin answers unknown channel {begin.remote_channel}")
+                # spec 2.7.2: remote-channel is set only in the answer to a begin we sent
+                raise ConnectionFault(INVALID_FIELD, f"begin answers unknown channel {begin.remote_channel}")
             session.remote_channel = channel
             session.on_begin(begin)
         self._remote_sessions[channel] = session

@@ -309,9 +309,15 @@ class Session:
             link.partial = partial = []
             link.partial_size = 0
             link.partial_head = (did, tag, settled)
-        elif n > 4 and fields[4] is True:
-            did, tag, _ = link.partial_head
-            link.partial_head = (did, tag, True)
+        else:
+            did = fields[1] if n > 1 else None
+            if did is not None and did != link.partial_head[0]:
+                # spec 2.7.5: a continuation's delivery-id, when set, is the first transfer's
+                raise ConnectionFault(INVALID_FIELD, f"continuation transfer with delivery-id {did}, "
+                                                     f"not {link.partial_head[0]}")
+            if n > 4 and fields[4] is True:
+                did, tag, _ = link.partial_head
+                link.partial_head = (did, tag, True)
         if aborted:
             link.partial = None
             return

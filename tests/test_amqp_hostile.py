@@ -144,7 +144,8 @@ async def test_a_handle_past_handle_max_closes_the_connection_with_framing_error
         client.conn.send_frame(client.session.channel, attach.encode_amqp())
         await client.until(lambda: client.conn.close_received)
         (closed,) = client.take(ev.ConnectionClosed)
-        assert (closed.error.condition, closed.error.description) == (FRAMING_ERROR, "handle 256 exceeds handle-max 255")
+        assert (closed.error.condition, closed.error.description) == (
+            FRAMING_ERROR, "handle 256 exceeds handle-max 255")
         await still_serving(nsqd)
 
 
