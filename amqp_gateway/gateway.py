@@ -34,11 +34,11 @@ from nsqd.subscription import Budget
 from nsqd.version import NSQD_VERSION
 
 from . import events as ev
-from .addresses import channel_address, topic_address
+from .addresses import channel_address, terminus, topic_address
 from .connection import Connection
 from .consumer import LinkConsumer
 from .errors import (
-    INVALID_FIELD, RESOURCE_DELETED, RESOURCE_LIMIT_EXCEEDED, UNAUTHORIZED_ACCESS, LinkRefused,
+    RESOURCE_DELETED, RESOURCE_LIMIT_EXCEEDED, UNAUTHORIZED_ACCESS, LinkRefused,
 )
 from .link import Link
 from .performatives import RCV_FIRST, RCV_SECOND, SND_SETTLED, SND_UNSETTLED, Attach, Error, Source, Target
@@ -210,9 +210,7 @@ class GatewayConnection:
 
     def _attach_consumer(self, link: Link, now_ns: int) -> None:
         attach = link.remote_attach
-        source = attach.source
-        if not isinstance(source, Source) or source.dynamic:
-            raise LinkRefused(INVALID_FIELD, "consuming needs a source address /topics/<topic>/channels/<channel>")
+        source = terminus(attach.source, Source, "consuming needs a source address /topics/<topic>/channels/<channel>")
         topic_name, channel_name = channel_address(source.address)
         if not self._allows(topic_name, channel_name):
             raise LinkRefused(UNAUTHORIZED_ACCESS, f"not authorized to subscribe to {topic_name}/{channel_name}")
@@ -238,9 +236,7 @@ class GatewayConnection:
 
     def _attach_publisher(self, link: Link) -> None:
         attach = link.remote_attach
-        target = attach.target
-        if not isinstance(target, Target) or target.dynamic:
-            raise LinkRefused(INVALID_FIELD, "publishing needs a target address /topics/<topic>")
+        target = terminus(attach.target, Target, "publishing needs a target address /topics/<topic>")
         topic_name = topic_address(target.address)
         if not self._allows(topic_name):
             raise LinkRefused(UNAUTHORIZED_ACCESS, f"not authorized to publish to {topic_name}")

@@ -8,7 +8,7 @@ from functools import partial
 
 import trio
 
-from amqp_gateway import events as ev, performatives as p
+from amqp_gateway import codec, events as ev, performatives as p
 from amqp_gateway.connection import Connection
 from amqp_gateway.consumer import FILL_BATCH
 from amqp_gateway.framing import EMPTY_FRAME, encode_frame
@@ -678,3 +678,37 @@ async def test_rcv_settle_mode_second_publishing_leaves_our_outcome_unsettled(tm
         assert [(d.role, d.settled) for d in seen] == [(p.RECEIVER, False)]
         await client.for_a_while(0.1)   # the client's settlement is taken quietly
         assert nsqd.topics["t"].channels["c"].depth == 1 and not client.conn.finished
+
+
+# ------------------------------------------------------------ termini we lack
+async def refused_with(client: Client, role: bool, source, target) -> p.Error:
+    """Attach a link with these termini; the error of the detach that refuses it (after a null node)."""
+    link = client.session.attach(f"refused-{len(client.session.by_handle)}", role)
+    link.attach(source, target)
+    await client.until(lambda: link.detach_received)
+    (detached,) = client.take(ev.LinkDetached, link)
+    remote = link.remote_attach
+    assert (remote.source if role is p.RECEIVER else remote.target) is None
+    return detached.error
+
+
+async def test_dynamic_nodes_and_coordinators_are_refused_as_not_implemented(tmp_path):
+    """Spec 3.5.3/3.5.4: a dynamic source or target asks us to create a node, and a coordinator
+    target (4.5) asks for transactions: functions we lack, refused with amqp:not-implemented.
+    A dynamic node that also names an address is malformed (3.5.3: "the address field MUST NOT
+    be set"): amqp:invalid-field. The connection carries on."""
+    async with gateway(tmp_path) as nsqd:
+        client = await Client.connect(nsqd.amqp_port)
+        coordinator = codec.Described(codec.ULong(0x30), [])
+        cases = [
+            (p.RECEIVER, p.Source(dynamic=True), p.Target(), "amqp:not-implemented"),
+            (p.SENDER, p.Source(), p.Target(dynamic=True), "amqp:not-implemented"),
+            (p.SENDER, p.Source(), coordinator, "amqp:not-implemented"),
+            (p.RECEIVER, p.Source("/topics/t/channels/c", dynamic=True), p.Target(), "amqp:invalid-field"),
+            (p.SENDER, p.Source(), None, "amqp:invalid-field"),
+        ]
+        for role, source, target, condition in cases:
+            assert (await refused_with(client, role, source, target)).condition == condition, (source, target)
+        link = await client.attach(p.SENDER, "/topics/t")
+        assert await client.publish(link, [b"fine"]) == [p.Accepted()]
+
