@@ -3,14 +3,15 @@
 Names follow NSQ's rules (``nsqd.names``, ``#ephemeral`` allowed) and are
 taken literally: no percent-decoding. An address of another shape names no
 node we have (``amqp:not-found``); a well-shaped address with a bad name, or
-a missing address, is ``amqp:invalid-field``.
+a missing address, is ``amqp:invalid-field``; dynamic nodes and termini other
+than source and target are ``amqp:not-implemented``.
 """
 
 from __future__ import annotations
 
 from nsqd.names import is_valid_channel_name, is_valid_topic_name
 
-from .errors import INVALID_FIELD, NOT_FOUND, LinkRefused
+from .errors import INVALID_FIELD, NOT_FOUND, NOT_IMPLEMENTED, LinkRefused
 
 
 def _parts(address: object) -> list[str]:
@@ -45,3 +46,22 @@ def channel_address(address: object) -> tuple[str, str]:
     if not is_valid_channel_name(parts[2]):
         raise LinkRefused(INVALID_FIELD, f"invalid channel name {parts[2]!r} in {address!r}")
     return topic, parts[2]
+
+
+def terminus(node: object, kind: type, usage: str):
+    """The client's source or target if it can name one of our nodes; else why not.
+
+    A terminus of another type (a coordinator target, for transactions) and a
+    dynamic node are functions we lack (``amqp:not-implemented``); a dynamic
+    node that has an address anyway breaks spec 3.5.3 (``amqp:invalid-field``).
+    """
+    if node is None:
+        raise LinkRefused(INVALID_FIELD, usage)
+    if not isinstance(node, kind):
+        descriptor = getattr(node, "descriptor", type(node).__name__)
+        raise LinkRefused(NOT_IMPLEMENTED, f"terminus {descriptor!r} is not supported: {usage}")
+    if node.dynamic:
+        if node.address is not None:
+            raise LinkRefused(INVALID_FIELD, "a dynamic node must not have an address")
+        raise LinkRefused(NOT_IMPLEMENTED, f"dynamic nodes are not supported: {usage}")
+    return node

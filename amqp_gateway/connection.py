@@ -23,8 +23,8 @@ from typing import Any
 from . import codec
 from .codec import DecodeError
 from .errors import (
-    DECODE_ERROR, FRAMING_ERROR, ILLEGAL_STATE, NOT_ALLOWED, RESOURCE_LIMIT_EXCEEDED, UNAUTHORIZED_ACCESS,
-    ConnectionFault, SessionFault,
+    DECODE_ERROR, FRAMING_ERROR, ILLEGAL_STATE, INVALID_FIELD, NOT_ALLOWED, RESOURCE_LIMIT_EXCEEDED,
+    UNAUTHORIZED_ACCESS, ConnectionFault, SessionFault,
 )
 from .events import ConnectionClosed, ConnectionOpened, SaslLogin, SessionBegun, SessionEnded
 from .framing import (
@@ -109,7 +109,7 @@ class Connection:
         self.sasl_required = sasl_required
         self.max_frame_size = max_frame_size
         self.channel_max = channel_max
-        #: seconds without any frame from the peer after which we close (we announce it in open)
+        #: the idle-time-out we announce in open (the I/O layer closes after twice as long without a frame)
         self.idle_timeout = idle_timeout
         self.hostname = hostname
         self.properties = properties
@@ -306,6 +306,9 @@ class Connection:
     def _on_frame(self, channel: int, body: bytes, events: list) -> None:
         if not body:
             return  # a heartbeat
+        if channel > self.channel_max and self.open_sent:
+            # spec 2.7.1: a channel number beyond our channel-max closes the connection with framing-error
+            raise ConnectionFault(FRAMING_ERROR, f"channel {channel} exceeds channel-max {self.channel_max}")
         if len(body) < 4 or body[0] != 0:
             raise ConnectionFault(DECODE_ERROR, "frame body is not a described performative")
         if body[1] == 0x53:
@@ -400,8 +403,6 @@ class Connection:
         if channel in self._remote_sessions:
             raise ConnectionFault(NOT_ALLOWED, f"channel {channel} already has a session")
         if begin.remote_channel is None:
-            if channel > self.channel_max:
-                raise ConnectionFault(NOT_ALLOWED, f"channel {channel} exceeds channel-max {self.channel_max}")
             session = self._new_session()
             session.remote_channel = channel
             session.on_begin(begin)
@@ -409,7 +410,8 @@ class Connection:
         else:
             session = self.sessions.get(begin.remote_channel)
             if session is None or session.begin_received:
-                raise ConnectionFault(ILLEGAL_STATE, f"begin answers unknown channel {begin.remote_channel}")
+                # spec 2.7.2: remote-channel is set only in the answer to a begin we sent
+                raise ConnectionFault(INVALID_FIELD, f"begin answers unknown channel {begin.remote_channel}")
             session.remote_channel = channel
             session.on_begin(begin)
         self._remote_sessions[channel] = session

@@ -34,14 +34,14 @@ from nsqd.subscription import Budget
 from nsqd.version import NSQD_VERSION
 
 from . import events as ev
-from .addresses import channel_address, topic_address
+from .addresses import channel_address, terminus, topic_address
 from .connection import Connection
 from .consumer import LinkConsumer
 from .errors import (
-    INVALID_FIELD, NOT_IMPLEMENTED, RESOURCE_DELETED, RESOURCE_LIMIT_EXCEEDED, UNAUTHORIZED_ACCESS, LinkRefused,
+    RESOURCE_DELETED, RESOURCE_LIMIT_EXCEEDED, UNAUTHORIZED_ACCESS, LinkRefused,
 )
 from .link import Link
-from .performatives import RCV_FIRST, RCV_SECOND, SND_SETTLED, SND_UNSETTLED, Error, Source, Target
+from .performatives import RCV_FIRST, RCV_SECOND, SND_SETTLED, SND_UNSETTLED, Attach, Error, Source, Target
 from .publisher import LinkPublisher, Pending
 from .sasl import Authenticate, SaslServer
 
@@ -199,8 +199,6 @@ class GatewayConnection:
     def _attach(self, link: Link, now_ns: int) -> None:
         attach = link.remote_attach
         try:
-            if attach.rcv_settle_mode == RCV_SECOND:
-                raise LinkRefused(NOT_IMPLEMENTED, "rcv-settle-mode second is not supported: use first")
             if link.is_sender:
                 self._attach_consumer(link, now_ns)
             else:
@@ -212,9 +210,7 @@ class GatewayConnection:
 
     def _attach_consumer(self, link: Link, now_ns: int) -> None:
         attach = link.remote_attach
-        source = attach.source
-        if not isinstance(source, Source) or source.dynamic:
-            raise LinkRefused(INVALID_FIELD, "consuming needs a source address /topics/<topic>/channels/<channel>")
+        source = terminus(attach.source, Source, "consuming needs a source address /topics/<topic>/channels/<channel>")
         topic_name, channel_name = channel_address(source.address)
         if not self._allows(topic_name, channel_name):
             raise LinkRefused(UNAUTHORIZED_ACCESS, f"not authorized to subscribe to {topic_name}/{channel_name}")
@@ -234,15 +230,13 @@ class GatewayConnection:
             raise LinkRefused(condition, f"cannot subscribe: {exc}") from None
         self.consumers[link] = consumer
         link.attach(Source(source.address, outcomes=_OUTCOMES), attach.target, snd_settle_mode=snd_mode,
-                    rcv_settle_mode=RCV_FIRST)
+                    rcv_settle_mode=_rcv_settle_mode(attach))
         log.info("AMQP consumer attached", client=self.remote_address, link=link.name, topic=topic_name,
                  channel=channel_name, presettled=consumer.presettled)
 
     def _attach_publisher(self, link: Link) -> None:
         attach = link.remote_attach
-        target = attach.target
-        if not isinstance(target, Target) or target.dynamic:
-            raise LinkRefused(INVALID_FIELD, "publishing needs a target address /topics/<topic>")
+        target = terminus(attach.target, Target, "publishing needs a target address /topics/<topic>")
         topic_name = topic_address(target.address)
         if not self._allows(topic_name):
             raise LinkRefused(UNAUTHORIZED_ACCESS, f"not authorized to publish to {topic_name}")
@@ -253,7 +247,7 @@ class GatewayConnection:
         publisher = LinkPublisher(link, topic_name, self.nsqd, self.pub_counts, self._wake)
         self.publishers[link] = publisher
         link.attach(attach.source, Target(target.address), snd_settle_mode=attach.snd_settle_mode,
-                    rcv_settle_mode=RCV_FIRST)
+                    rcv_settle_mode=_rcv_settle_mode(attach))
         publisher.grant()
         log.info("AMQP publisher attached", client=self.remote_address, link=link.name, topic=topic_name)
 
@@ -302,6 +296,16 @@ class GatewayConnection:
             self._forget(link)
         self.publishers.clear()
         self.nsqd.remove_client(self)
+
+
+def _rcv_settle_mode(attach: Attach) -> int:
+    """The client's rcv-settle-mode, which we follow (spec 2.8.3).
+
+    Consuming, we settle every outcome the client sends unsettled at once,
+    which is all that second asks of a sender; publishing, our outcomes go
+    out unsettled under second and the client settles them.
+    """
+    return RCV_SECOND if attach.rcv_settle_mode == RCV_SECOND else RCV_FIRST
 
 
 def _noop() -> None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from . import codec, serial
 from .framing import FRAME_HEAD
 from .performatives import (
-    RCV_FIRST, RECEIVER, SENDER, SND_MIXED, SND_SETTLED, Attach, Detach, Disposition, Error, Transfer,
+    RCV_FIRST, RCV_SECOND, RECEIVER, SENDER, SND_MIXED, SND_SETTLED, Attach, Detach, Disposition, Error, Transfer,
 )
 
 if TYPE_CHECKING:
@@ -221,14 +221,19 @@ class Link:
 
     # -------------------------------------------------------- settlement
     def settle(self, delivery_ids: list[int], state: Any) -> None:
-        """Receiver: settle incoming deliveries with ``state``, one disposition per run of ids."""
+        """Receiver: give incoming deliveries ``state``, one disposition per run of ids.
+
+        Under rcv-settle-mode first they are settled with it; under second the
+        disposition leaves them unsettled, for the sender to settle (spec 2.8.3).
+        """
         if not delivery_ids:
             return
         send = self.session.send
+        settled = self.rcv_settle_mode != RCV_SECOND
         first = prev = delivery_ids[0]
         for did in delivery_ids[1:]:
             if did != (prev + 1) & serial.MASK:
-                send(Disposition(RECEIVER, first, prev, True, state))
+                send(Disposition(RECEIVER, first, prev, settled, state))
                 first = did
             prev = did
-        send(Disposition(RECEIVER, first, prev, True, state))
+        send(Disposition(RECEIVER, first, prev, settled, state))

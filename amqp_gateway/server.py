@@ -16,7 +16,9 @@ the reader waits for it before reading more, so a client that does not read
 back-pressures only itself.
 
 Timers: we announce ``idle_timeout`` in our open and close a connection
-that sends nothing for that long (``amqp:resource-limit-exceeded``); we send
+that sends nothing for twice that long (``amqp:resource-limit-exceeded``:
+spec 2.4.5 has a peer announce half its real threshold, so a client that
+keeps to the announced value is never cut off by a late frame); we send
 an empty frame when we have been silent for half the peer's idle timeout; a
 write the peer does not take within ``idle_timeout`` drops the connection.
 After a close (ours or the peer's) we linger up to ``LINGER`` seconds for
@@ -179,7 +181,7 @@ class Driver:
         gateway = self.gateway
         engine = self.engine
         receive = self.stream.receive_some
-        idle = self.idle_timeout or math.inf
+        idle = 2 * self.idle_timeout if self.idle_timeout else math.inf
         while not engine.finished:
             with trio.move_on_after(idle) as scope:
                 data = await receive(RECEIVE_SIZE)

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 from . import serial
 from .codec import UInt
 from .errors import (
-    DECODE_ERROR, HANDLE_IN_USE, INVALID_FIELD, NOT_ALLOWED, TRANSFER_LIMIT_EXCEEDED, UNATTACHED_HANDLE,
-    WINDOW_VIOLATION, SessionFault,
+    DECODE_ERROR, FRAMING_ERROR, HANDLE_IN_USE, INVALID_FIELD, NOT_ALLOWED, TRANSFER_LIMIT_EXCEEDED,
+    UNATTACHED_HANDLE, WINDOW_VIOLATION, ConnectionFault, SessionFault,
 )
 from .events import LinkAttached, LinkAttaching, LinkDetached, LinkFlow, SessionFlow, Settled, Transfers
 from .framing import encode_frame
@@ -210,10 +210,11 @@ class Session:
 
     def on_attach(self, attach: Attach, events: list) -> None:
         handle = attach.handle
+        if handle > HANDLE_MAX:
+            # spec 2.7.2: a handle beyond the handle-max we announced closes the connection with framing-error
+            raise ConnectionFault(FRAMING_ERROR, f"handle {handle} exceeds handle-max {HANDLE_MAX}")
         if handle in self.by_remote_handle:
             raise SessionFault(HANDLE_IN_USE, f"handle {handle} is already attached")
-        if handle > HANDLE_MAX:
-            raise SessionFault(NOT_ALLOWED, f"handle {handle} exceeds handle-max {HANDLE_MAX}")
         role = not attach.role
         if attach.role is SENDER and attach.initial_delivery_count is None:
             raise SessionFault(INVALID_FIELD, "a sender's attach must carry initial-delivery-count")
@@ -308,9 +309,15 @@ class Session:
             link.partial = partial = []
             link.partial_size = 0
             link.partial_head = (did, tag, settled)
-        elif n > 4 and fields[4] is True:
-            did, tag, _ = link.partial_head
-            link.partial_head = (did, tag, True)
+        else:
+            did = fields[1] if n > 1 else None
+            if did is not None and did != link.partial_head[0]:
+                # spec 2.7.5: a continuation's delivery-id, when set, is the first transfer's
+                raise ConnectionFault(INVALID_FIELD, f"continuation transfer with delivery-id {did}, "
+                                                     f"not {link.partial_head[0]}")
+            if n > 4 and fields[4] is True:
+                did, tag, _ = link.partial_head
+                link.partial_head = (did, tag, True)
         if aborted:
             link.partial = None
             return

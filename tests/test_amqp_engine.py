@@ -146,9 +146,12 @@ def _close_error(server: Connection, events: list) -> str:
     (encode_frame(0, b"\x00\x53\x99\x45"), errors.DECODE_ERROR),                      # unknown performative
     (encode_frame(0, p.Open("again").encode_amqp()), errors.ILLEGAL_STATE),           # second open
     (encode_frame(3, p.Flow(0, 1, 0, 1).encode_amqp()), errors.ILLEGAL_STATE),        # no session there
-    (encode_frame(300, p.Begin(None, 0, 10, 10).encode_amqp()), errors.NOT_ALLOWED),  # beyond channel-max
+    (encode_frame(300, p.Begin(None, 0, 10, 10).encode_amqp()), errors.FRAMING_ERROR),  # beyond channel-max
+    (encode_frame(300, p.Flow(0, 1, 0, 1).encode_amqp()), errors.FRAMING_ERROR),        # (spec 2.7.1)
     (encode_frame(0, b"x" * 200_000), errors.FRAMING_ERROR),                          # beyond max-frame-size
     (encode_frame(0, p.Close().encode_amqp() + b"junk"), errors.DECODE_ERROR),        # payload after close
+    # spec 2.7.2: remote-channel is set only when answering a begin; we sent none
+    (encode_frame(0, p.Begin(3, 0, 10, 10).encode_amqp()), errors.INVALID_FIELD),
 ])
 def test_protocol_violations_close_the_connection_with_an_error(frame, condition):
     server = _opened_server()
@@ -415,18 +418,44 @@ def test_a_delivery_above_the_links_max_message_size_arrives_without_payload():
     assert [(d[1], d[3] and len(d[3])) for d in deliveries] == [(b"a", 999), (b"b", None), (b"c", None)]
 
 
-def test_aborted_delivery_is_dropped():
-    pair = Pair()
+def raw_transfers(pair: Pair, transfers: list) -> list:
+    """Send hand-made ``(transfer fields, payload)`` frames on a link with credit 2; the deliveries
+    the server reports as (tag, payload)."""
     client_link, server_link = pair.link()
     server_link.flow(credit=2)
     pair.exchange()
     session = client_link.session
-    session.send(p.Transfer(client_link.handle, 0, b"t", 0, False, True), b"part")
-    session.send(p.Transfer(client_link.handle, aborted=True))
-    session.frames_sent(2)
+    for fields, payload in transfers:
+        session.send(p.Transfer(client_link.handle, **fields), payload)
+    session.frames_sent(len(transfers))
+    pair.exchange()
+    return [(d[1], d[3]) for e in pair.take("server", ev.Transfers) for d in e.deliveries]
+
+
+def test_aborted_delivery_is_dropped():
+    first = {"delivery_id": 0, "delivery_tag": b"t", "message_format": 0, "settled": False, "more": True}
+    pair = Pair()
+    assert raw_transfers(pair, [(first, b"part"), ({"aborted": True}, b"")]) == []
+    (client_link,) = pair.client.sessions[0].by_handle.values()
     client_link.send_transfers([b"u"], [b"whole"], False)
     pair.exchange()
     assert [d[1] for e in pair.take("server", ev.Transfers) for d in e.deliveries] == [b"u"]
+
+
+def test_a_continuation_may_repeat_the_delivery_id_but_not_change_it():
+    """Spec 2.7.5 (transfer, delivery-id): "On continuation transfers the delivery-id MAY be omitted.
+    It is an error if the delivery-id on a continuation transfer differs from the delivery-id on the
+    first transfer of a delivery." We close with amqp:invalid-field, as Proton does."""
+    pair = Pair()
+    assert raw_transfers(pair, [
+        ({"delivery_id": 0, "delivery_tag": b"t", "more": True}, b"par"),
+        ({"delivery_id": 0}, b"t"),                  # the same id again: fine
+        ({"delivery_id": 1, "delivery_tag": b"u", "more": True}, b"par"),
+        ({"delivery_id": 7}, b"t"),                  # another id: an error
+    ]) == [(b"t", b"part")]
+    (closed,) = pair.take("server", ev.ConnectionClosed)
+    assert closed.error.condition == errors.INVALID_FIELD
+    assert pair.take("client", ev.ConnectionClosed)[0].error.condition == errors.INVALID_FIELD
 
 
 def test_dispositions_settle_ranges_and_report_per_link():

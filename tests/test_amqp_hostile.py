@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 from amqp_gateway import events as ev, performatives as p
 from amqp_gateway.connection import Connection
 from amqp_gateway.errors import (
-    DECODE_ERROR, FRAMING_ERROR, ILLEGAL_STATE, NOT_ALLOWED, RESOURCE_LIMIT_EXCEEDED,
+    DECODE_ERROR, FRAMING_ERROR, ILLEGAL_STATE, RESOURCE_LIMIT_EXCEEDED,
 )
 from amqp_gateway.framing import AMQP_HEADER, SASL_HEADER, encode_frame
 
@@ -75,7 +75,9 @@ async def still_serving(nsqd) -> None:
     (AMQP_HEADER + OPEN + OPEN, ILLEGAL_STATE, "second open"),
     (AMQP_HEADER + OPEN + encode_frame(5, p.Flow(0, 10, 0, 10).encode_amqp()), ILLEGAL_STATE,
      "frame on channel 5 without a session"),
-    (AMQP_HEADER + OPEN + encode_frame(65535, p.Begin(None, 0, 10, 10).encode_amqp()), NOT_ALLOWED,
+    # spec 2.7.1: "a peer that receives a channel number outside the supported range MUST close the
+    # connection with the framing-error error-code"
+    (AMQP_HEADER + OPEN + encode_frame(65535, p.Begin(None, 0, 10, 10).encode_amqp()), FRAMING_ERROR,
      "channel 65535 exceeds channel-max 255"),
     (AMQP_HEADER + encode_frame(0, p.Open("x", idle_time_out=1).encode_amqp()), RESOURCE_LIMIT_EXCEEDED,
      "idle-time-out 1 ms is below the 100 ms we support"),
@@ -132,15 +134,18 @@ async def test_deep_nesting_in_a_messages_sections_rejects_that_message_only(tmp
         assert nsqd.topics["t"].message_count == 1
 
 
-async def test_a_handle_past_handle_max_ends_the_session(tmp_path, logs):
+async def test_a_handle_past_handle_max_closes_the_connection_with_framing_error(tmp_path, logs):
+    """Spec 2.7.2 (begin, handle-max): "A peer that receives a handle outside the supported range
+    MUST close the connection with the framing-error error-code"."""
     async with gateway(tmp_path) as nsqd:
         client = await Client.connect(nsqd.amqp_port)
-        attach = p.Attach("big", 0xFFFFFFFF, p.SENDER, source=p.Source(), target=p.Target("/topics/t"),
+        attach = p.Attach("big", 256, p.SENDER, source=p.Source(), target=p.Target("/topics/t"),
                           initial_delivery_count=0)
         client.conn.send_frame(client.session.channel, attach.encode_amqp())
-        await client.until(lambda: client.session.end_received)
-        (ended,) = client.take(ev.SessionEnded)
-        assert (ended.error.condition, ended.error.description) == (NOT_ALLOWED, "handle 4294967295 exceeds handle-max 255")
+        await client.until(lambda: client.conn.close_received)
+        (closed,) = client.take(ev.ConnectionClosed)
+        assert (closed.error.condition, closed.error.description) == (
+            FRAMING_ERROR, "handle 256 exceeds handle-max 255")
         await still_serving(nsqd)
 
 

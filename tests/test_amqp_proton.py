@@ -362,7 +362,6 @@ async def test_a_released_message_is_no_longer_first_acquired(tmp_path):
     ("receiver", "/topics/t/channels/" + "c" * 65, None, "amqp:invalid-field"),
     ("sender", "/topics/t/channels/c", None, "amqp:not-found"),
     ("sender", "/topics/no$good", None, "amqp:invalid-field"),
-    ("receiver", "/topics/t/channels/c", SecondSettleMode(), "amqp:not-implemented"),
 ])
 async def test_bad_address_refuses_the_link_and_the_connection_lives(tmp_path, role, address, options, condition):
     async with daemon(tmp_path) as nsqd:
@@ -377,6 +376,26 @@ async def test_bad_address_refuses_the_link_and_the_connection_lives(tmp_path, r
 
         assert await in_thread(attempt) == (condition, Delivery.ACCEPTED)
         assert nsqd.topics["ok"].message_count == 1
+
+
+async def test_a_receiver_in_rcv_settle_mode_second_is_served(tmp_path):
+    """Spec 2.8.3: the receiver's rcv-settle-mode is the link's; second is taken, not refused."""
+    async with daemon(tmp_path) as nsqd:
+        await nsq_publish(nsqd, "t", [b"one"])
+
+        def consume():
+            conn = connect(nsqd)
+            receiver = conn.create_receiver("/topics/t/channels/c", credit=1, options=SecondSettleMode())
+            (msg,) = wait_messages(conn, receiver, 1)
+            receiver.accept()
+            pump(conn)
+            mode = receiver.link.remote_rcv_settle_mode
+            conn.close()
+            return bytes(msg.body), mode
+
+        assert await in_thread(consume) == (b"one", Link.RCV_SECOND)
+        channel = nsqd.topics["t"].channels["c"]
+        assert channel.in_flight_count == 0 and channel.depth == 0
 
 
 async def test_ephemeral_topics_and_channels_vanish_with_their_consumer(tmp_path):

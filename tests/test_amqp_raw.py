@@ -8,7 +8,7 @@ from functools import partial
 
 import trio
 
-from amqp_gateway import events as ev, performatives as p
+from amqp_gateway import codec, events as ev, performatives as p
 from amqp_gateway.connection import Connection
 from amqp_gateway.consumer import FILL_BATCH
 from amqp_gateway.framing import EMPTY_FRAME, encode_frame
@@ -494,6 +494,20 @@ async def test_idle_timeout_closes_a_silent_client_and_heartbeats_keep_ours(tmp_
         assert raw.count(EMPTY_FRAME) >= 2   # one every 100 ms: half its idle timeout
 
 
+async def test_a_client_a_little_late_with_its_heartbeat_is_not_cut_off(tmp_path):
+    """Spec 2.4.5: a peer SHOULD announce half its real idle threshold, so that a frame the other
+    side sends at the announced interval, delayed on the way, arrives in time. A client whose empty
+    frames come every 1.2 announced intervals stays connected; a silent one is closed."""
+    async with gateway(tmp_path, amqp_options={"idle_timeout": 0.3}) as nsqd:
+        late = await Client.connect(nsqd.amqp_port, begin=False)
+        assert late.conn.peer_idle_timeout == 0.3
+        for _ in range(5):
+            await trio.sleep(0.36)
+            await late.stream.send_all(EMPTY_FRAME)
+        await late.for_a_while(0.05)
+        assert not late.conn.finished and not late.take(ev.ConnectionClosed)
+
+
 async def test_protocol_violation_closes_that_connection_only(tmp_path):
     async with gateway(tmp_path) as nsqd:
         bad = await Client.connect(nsqd.amqp_port)
@@ -609,3 +623,92 @@ async def test_a_link_whose_credit_went_to_0_does_not_keep_a_message_from_an_idl
         await publisher.pub("t", b"x")
         await idle_client.until(lambda: any(isinstance(e, ev.Transfers) for e in idle_client.events), timeout=3)
         assert [body_of(d) for d in idle_client.deliveries(idle)] == [b"x"]
+
+
+# ------------------------------------------------------------ settlement modes
+def record_dispositions(session) -> list:
+    """The dispositions the gateway sends on ``session``, recorded before the engine handles them."""
+    seen: list = []
+    handle = session.on_disposition
+
+    def on_disposition(disposition, events):
+        seen.append(disposition)
+        handle(disposition, events)
+
+    session.on_disposition = on_disposition
+    return seen
+
+
+async def test_rcv_settle_mode_second_consuming_our_settlement_follows_the_clients_outcome(tmp_path):
+    """Spec 2.8.3 and 3.4: under rcv-settle-mode second the receiver sends its outcome unsettled and
+    settles only once the sender has settled. The receiver's mode is the link's: we take it, and
+    answer the outcome with a settled disposition."""
+    async with gateway(tmp_path) as nsqd:
+        put(nsqd, "t", "c", [b"a"])
+        client = await Client.connect(nsqd.amqp_port)
+        seen = record_dispositions(client.session)
+        link = client.session.attach("second", p.RECEIVER)
+        link.attach(p.Source("/topics/t/channels/c"), p.Target(), snd_settle_mode=p.SND_UNSETTLED,
+                    rcv_settle_mode=p.RCV_SECOND)
+        await client.until(lambda: link.attach_received)
+        assert link.remote_attach.source is not None and link.remote_attach.rcv_settle_mode == p.RCV_SECOND
+        link.flow(1)
+        await client.until(lambda: any(isinstance(e, ev.Transfers) for e in client.events))
+        ((did, _tag, settled, _payload),) = client.deliveries(link)
+        assert not settled
+        client.session.send(p.Disposition(p.RECEIVER, did, did, False, p.Accepted()))
+        await client.until(lambda: seen)
+        assert [(d.role, d.first, d.settled, type(d.state)) for d in seen] == [(p.SENDER, did, True, p.Accepted)]
+        channel = nsqd.topics["t"].channels["c"]
+        assert channel.in_flight_count == 0 and not link.detach_received
+
+
+async def test_rcv_settle_mode_second_publishing_leaves_our_outcome_unsettled(tmp_path):
+    """Spec 2.8.3: a receiver in mode second does not settle before the sender: our accepted
+    goes out unsettled, the client settles it."""
+    async with gateway(tmp_path) as nsqd:
+        nsqd.declare("t", "c")
+        client = await Client.connect(nsqd.amqp_port)
+        seen = record_dispositions(client.session)
+        link = client.session.attach("second", p.SENDER)
+        link.attach(p.Source(), p.Target("/topics/t"), snd_settle_mode=p.SND_UNSETTLED, rcv_settle_mode=p.RCV_SECOND)
+        await client.until(lambda: link.attach_received and link.credit)
+        assert link.remote_attach.target is not None and link.remote_attach.rcv_settle_mode == p.RCV_SECOND
+        assert await client.publish(link, [b"x"]) == [p.Accepted()]
+        assert [(d.role, d.settled) for d in seen] == [(p.RECEIVER, False)]
+        await client.for_a_while(0.1)   # the client's settlement is taken quietly
+        assert nsqd.topics["t"].channels["c"].depth == 1 and not client.conn.finished
+
+
+# ------------------------------------------------------------ termini we lack
+async def refused_with(client: Client, role: bool, source, target) -> p.Error:
+    """Attach a link with these termini; the error of the detach that refuses it (after a null node)."""
+    link = client.session.attach(f"refused-{len(client.session.by_handle)}", role)
+    link.attach(source, target)
+    await client.until(lambda: link.detach_received)
+    (detached,) = client.take(ev.LinkDetached, link)
+    remote = link.remote_attach
+    assert (remote.source if role is p.RECEIVER else remote.target) is None
+    return detached.error
+
+
+async def test_dynamic_nodes_and_coordinators_are_refused_as_not_implemented(tmp_path):
+    """Spec 3.5.3/3.5.4: a dynamic source or target asks us to create a node, and a coordinator
+    target (4.5) asks for transactions: functions we lack, refused with amqp:not-implemented.
+    A dynamic node that also names an address is malformed (3.5.3: "the address field MUST NOT
+    be set"): amqp:invalid-field. The connection carries on."""
+    async with gateway(tmp_path) as nsqd:
+        client = await Client.connect(nsqd.amqp_port)
+        coordinator = codec.Described(codec.ULong(0x30), [])
+        cases = [
+            (p.RECEIVER, p.Source(dynamic=True), p.Target(), "amqp:not-implemented"),
+            (p.SENDER, p.Source(), p.Target(dynamic=True), "amqp:not-implemented"),
+            (p.SENDER, p.Source(), coordinator, "amqp:not-implemented"),
+            (p.RECEIVER, p.Source("/topics/t/channels/c", dynamic=True), p.Target(), "amqp:invalid-field"),
+            (p.SENDER, p.Source(), None, "amqp:invalid-field"),
+        ]
+        for role, source, target, condition in cases:
+            assert (await refused_with(client, role, source, target)).condition == condition, (source, target)
+        link = await client.attach(p.SENDER, "/topics/t")
+        assert await client.publish(link, [b"fine"]) == [p.Accepted()]
+
