@@ -8,8 +8,10 @@ shows both.
 Its link credit is its RDY, within the connection's budget (every link of a
 connection shares ``--max-rdy-count``, whatever credit the client grants):
 :meth:`fill` takes at most ``min(credit, the session's outgoing window,
-FILL_BATCH)`` messages per round, so a huge credit never holds more than one
-batch in our buffers; the writer calls it again as the socket drains. A
+FILL_BATCH)`` messages per round, and no more bytes than the round has left
+(the connection's ``FILL_BYTES``, shared by its links), so a huge credit
+never holds more than one batch in our buffers; the writer calls it again as
+the socket drains. A
 pre-settled link (snd-settle-mode settled) is at-most-once: messages are
 finished as they are sent.
 
@@ -18,6 +20,7 @@ Dispositions map onto the subscription's verbs (see :meth:`settle`).
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Callable
 
 from nsqd.client_v2 import STATE_SUBSCRIBED
@@ -32,6 +35,10 @@ if TYPE_CHECKING:
 
 #: most messages taken from the channel for one link per write round (RabbitMQ's queue credit: 256)
 FILL_BATCH = 256
+#: bytes of messages one write round takes for all the links of a connection (at least one
+#: message): a client that does not read holds this and its socket buffers in flight, not its
+#: whole credit of large messages (docs/limits.md)
+FILL_BYTES = 1024 * 1024
 #: timed-out deliveries tolerated in the session's unsettled map before it is pruned
 STALE_SLACK = 1024
 
@@ -118,26 +125,29 @@ class LinkConsumer:
             self.stale = 0
 
     # ------------------------------------------------------------- delivery
-    def fill(self, now_ns: int) -> int:
-        """Send one batch of messages within the credit; answer drain and echo. Returns messages sent."""
+    def fill(self, now_ns: int, max_bytes: float = math.inf) -> int:
+        """Send one batch of messages within the credit (stopping at the message that reaches
+        ``max_bytes``); answer drain and echo. Returns the bytes of the messages sent."""
         link = self.link
         sub = self.sub
         want = min(link.credit, link.session.outgoing_room, FILL_BATCH)
-        sent = 0
+        sent = nbytes = 0
         if want > 0:
-            pieces = sub.take(want, now_ns)
+            pieces = sub.take(want, now_ns, max_bytes)
             if pieces:
                 sent = self._send(pieces)
+                nbytes = sum(sum(map(len, frames)) for _, frames, _ in pieces)
         link.available = sub.available
+        dry = sent < want and nbytes < max_bytes  # not just cut short by bytes (the writer comes back)
         # the channel ran dry: the rest of the credit is used up (a flow needs no room in the
         # session window, so a drain is answered even while the window holds transfers back)
-        if link.drain and link.credit > 0 and (sent < want or not link.available):
+        if link.drain and link.credit > 0 and (dry or not link.available):
             link.complete_drain()
             self.echo = False
         elif self.echo:
             self.echo = False
             link.send_flow()
-        return sent
+        return nbytes
 
     def _send(self, pieces: list) -> int:
         link = self.link

@@ -36,7 +36,7 @@ from nsqd.version import NSQD_VERSION
 from . import events as ev
 from .addresses import channel_address, terminus, topic_address
 from .connection import Connection
-from .consumer import LinkConsumer
+from .consumer import FILL_BYTES, LinkConsumer
 from .errors import (
     RESOURCE_DELETED, RESOURCE_LIMIT_EXCEEDED, UNAUTHORIZED_ACCESS, LinkRefused,
 )
@@ -78,6 +78,8 @@ class GatewayConnection:
         self.auth_pending = False
         self._held: deque = deque()
         self.consumers: dict[Link, LinkConsumer] = {}
+        #: where the next fill round starts among the consumers (see :meth:`fill`)
+        self._fill_next = 0
         self.publishers: dict[Link, LinkPublisher] = {}
         #: every receiving link's messages in flight count in one budget: --max-rdy-count per connection
         self.budget = Budget(nsqd.options.max_rdy_count)
@@ -266,17 +268,27 @@ class GatewayConnection:
 
     # ---------------------------------------------------------------- output
     def fill(self, now_ns: int) -> int:
-        """One batch per consuming link (detaching those whose channel went); returns messages sent."""
+        """One batch per consuming link, ``FILL_BYTES`` for them all (detaching those whose channel
+        went); returns the bytes of the messages sent.
+
+        A round that runs out of bytes ends at that link; the next round starts
+        with the link after it, so every link gets its turn.
+        """
         if self.engine.close_sent:
             return 0
-        sent = 0
-        for link, consumer in list(self.consumers.items()):
+        items = list(self.consumers.items())
+        count = len(items)
+        left = FILL_BYTES
+        for i in range(self._fill_next, self._fill_next + count):
+            link, consumer = items[i % count]
             if consumer.closing:
                 self._forget(link)
                 link.detach(Error(RESOURCE_DELETED, f"channel {consumer.channel_name} was deleted"))
-            elif link.attached:
-                sent += consumer.fill(now_ns)
-        return sent
+            elif link.attached and left > 0:
+                left -= consumer.fill(now_ns, left)
+                if left <= 0:
+                    self._fill_next = (i + 1) % count
+        return FILL_BYTES - left
 
     @property
     def publishers_starved(self) -> bool:

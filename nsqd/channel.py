@@ -39,9 +39,10 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 import operator
 from collections import deque
-from itertools import count
+from itertools import accumulate, count
 from typing import TYPE_CHECKING, Callable
 
 import structlog
@@ -70,6 +71,23 @@ _RESTORE_STEP = 512
 #: small publishes (single PUBs) are appended to the last chunk up to this size, so a queue of
 #: single messages is a few hundred chunks, not thousands (cheaper takes and checkpoints)
 COALESCE = 64
+
+
+def _bytes_of(pieces: list[Piece]) -> int:
+    return sum(sum(map(len, frames)) for _, frames, _ in pieces)
+
+
+def _room(max_bytes: float, pieces: list[Piece]) -> float:
+    """What is left of ``max_bytes`` after ``pieces``."""
+    return max_bytes if max_bytes == math.inf else max_bytes - _bytes_of(pieces)
+
+
+def _fitting(frames: list[bytes], start: int, end: int, max_bytes: float) -> int:
+    """How many of ``frames[start:end]`` to take to reach ``max_bytes`` (all if they stay under it)."""
+    sizes = list(accumulate(map(len, frames[start:end])))
+    if not sizes or sizes[-1] <= max_bytes:
+        return end - start
+    return bisect.bisect_left(sizes, max_bytes) + 1
 
 
 class ChannelExiting(Exception):
@@ -378,11 +396,14 @@ class Channel:
             sub.consumer.wake()
 
     # --------------------------------------------------------------- taking
-    def take(self, n: int, sub: Subscription, now_ns: int) -> list[Piece]:
+    def take(self, n: int, sub: Subscription, now_ns: int, max_bytes: float = math.inf) -> list[Piece]:
         """Up to ``n`` messages for ``sub`` as chunk slices (the subscription records them).
 
         A subscription that gets fewer than it asked for is remembered as
-        hungry and woken when messages arrive. Memory and disk take turns when
+        hungry and woken when messages arrive, unless ``max_bytes`` cut the
+        take short: it stops at the message that reaches ``max_bytes`` (from
+        disk, within one scan window of it), and the caller comes back for
+        more once it has written these. Memory and disk take turns when
         both hold messages, so neither starves (nsqd gives no ordering
         guarantee either). Messages past the channel's TTL are dropped here,
         never delivered.
@@ -392,18 +413,21 @@ class Channel:
             return pieces
         want = n
         ttl_ns = self.policy.ttl_ns
+        left = max_bytes
         while True:
             batch: list[Piece] = []
-            taken = self._take_some(want, batch, now_ns)
+            taken = self._take_some(want, batch, now_ns, left)
             got = taken
             if ttl_ns and taken:
                 batch = self._unexpired(batch, now_ns - ttl_ns)
                 got = sum(len(ids) for ids, _, _ in batch)
             pieces += batch
             want -= got
-            if got == taken or want <= 0:  # nothing expired, or enough
+            if left != math.inf:
+                left -= _bytes_of(batch)
+            if got == taken or want <= 0 or left <= 0:  # nothing expired, or enough
                 break
-        if want > 0:
+        if want > 0 and left > 0:
             self._hungry[sub] = None
         if pieces and self.on_room is not None:
             self._room_made()
@@ -414,16 +438,16 @@ class Channel:
         if notify is not None:
             notify()
 
-    def _take_some(self, want: int, pieces: list[Piece], now_ns: int) -> int:
+    def _take_some(self, want: int, pieces: list[Piece], now_ns: int, max_bytes: float) -> int:
         taken = 0
         backend = self.backend
         disk_first = self._disk_turn = not self._disk_turn
         if disk_first and backend is not None and backend.depth:
-            taken += self._take_disk(want, pieces, now_ns)
-        if want > taken and self._mem_count:
-            taken += self._take_memory(want - taken, pieces)
-        if want > taken and backend is not None and backend.depth:
-            taken += self._take_disk(want - taken, pieces, now_ns)
+            taken += self._take_disk(want, pieces, now_ns, max_bytes)
+        if want > taken and self._mem_count and (left := _room(max_bytes, pieces)) > 0:
+            taken += self._take_memory(want - taken, pieces, left)
+        if want > taken and backend is not None and backend.depth and (left := _room(max_bytes, pieces)) > 0:
+            taken += self._take_disk(want - taken, pieces, now_ns, left)
         return taken
 
     def _unexpired(self, pieces: list[Piece], cutoff_ns: int) -> list[Piece]:
@@ -443,13 +467,16 @@ class Channel:
                              None if positions is None else tuple(positions[i] for i in fresh)))
         return kept
 
-    def _take_memory(self, n: int, pieces: list[Piece]) -> int:
+    def _take_memory(self, n: int, pieces: list[Piece], max_bytes: float = math.inf) -> int:
         taken = 0
+        nbytes = 0
         chunks = self._chunks
-        while taken < n and chunks:
+        while taken < n and chunks and nbytes < max_bytes:
             ids, frames, positions = chunks[0]
             start = self._head
             end = start + n - taken
+            if max_bytes != math.inf:
+                end = start + _fitting(frames, start, end, max_bytes - nbytes)
             if end >= len(ids):
                 if start:
                     ids, frames = ids[start:], frames[start:]
@@ -462,11 +489,13 @@ class Channel:
                 self._head = end
             pieces.append((ids, frames, positions))
             taken += len(ids)
-            self._mem_bytes -= sum(map(len, frames))
+            size = sum(map(len, frames))
+            self._mem_bytes -= size
+            nbytes += size
         self._mem_count -= taken
         return taken
 
-    def _take_disk(self, n: int, pieces: list[Piece], now_ns: int) -> int:
+    def _take_disk(self, n: int, pieces: list[Piece], now_ns: int, max_bytes: float = math.inf) -> int:
         """Up to ``n`` messages from disk, reading on past the records set aside.
 
         A deferred record not yet due (or an undecodable one) is no message
@@ -478,16 +507,18 @@ class Channel:
         left = self.backend.depth
         taken = 0
         while True:
-            got, read = self._read_disk(n - taken, pieces, now_ns)
+            got, read = self._read_disk(n - taken, pieces, now_ns, max_bytes)
             taken += got
             left -= read
-            if got == read or taken >= n or left <= 0:
+            if got and max_bytes != math.inf:
+                max_bytes -= _bytes_of(pieces[-1:])
+            if got == read or taken >= n or left <= 0 or max_bytes <= 0:
                 return taken
 
-    def _read_disk(self, n: int, pieces: list[Piece], now_ns: int) -> tuple[int, int]:
-        """One read of up to ``n`` records: (messages to deliver, records read)."""
+    def _read_disk(self, n: int, pieces: list[Piece], now_ns: int, max_bytes: float = math.inf) -> tuple[int, int]:
+        """One read of up to ``n`` records (stopping at ``max_bytes``): (messages to deliver, records read)."""
         try:
-            payloads, positions = self.backend.read_positioned(n)
+            payloads, positions = self.backend.read_positioned(n, max_bytes)
         except DiskQueueError as exc:
             log.error("cannot read the channel's disk queue", channel=self.name, topic=self.topic_name,
                       error=str(exc))

@@ -32,6 +32,10 @@ _CLOSE_WAIT = message.encode_response(b"CLOSE_WAIT")
 #: consumer gets big batches instead of one message per FIN; a smaller refill waits at most
 #: output_buffer_timeout (a consumer that holds what it has must still get what RDY allows)
 MIN_REFILL_FRACTION = 8
+#: bytes of messages one fill takes (at least one message): a client that does not read holds
+#: this, its socket buffers and its output buffer in flight, not its whole RDY of large
+#: messages (as nsqd's pump, which blocks on the socket; docs/limits.md)
+FILL_BYTES = 1024 * 1024
 
 
 class ClientV2:
@@ -131,7 +135,8 @@ class ClientV2:
         """Nothing to do: the channel counts timeouts on the subscription."""
 
     def fill(self, now_ns: int) -> None:
-        """Take messages from the subscription while RDY allows, into :attr:`out`.
+        """Take messages from the subscription while RDY allows, into :attr:`out`, up to
+        ``FILL_BYTES`` at a time.
 
         A refill smaller than ``1 / MIN_REFILL_FRACTION`` of RDY waits for
         more room, at most ``output_buffer_timeout`` (as nsqd's buffered
@@ -157,10 +162,13 @@ class ClientV2:
                 return
         out = self.out
         before = len(out)
-        for _, frames, _ in sub.take(free, now_ns):
+        for _, frames, _ in sub.take(free, now_ns, FILL_BYTES):
             out.extend(frames)
-        if waited and len(out) != before:
+        taken = len(out) - before
+        if waited and taken:
             self.flush_now = True  # held long enough already
+        if 0 < taken < free and sum(map(len, out[before:])) >= FILL_BYTES:
+            self.on_wake()  # cut short by FILL_BYTES: the writer comes back once these are written
 
     def unsubscribe(self) -> None:
         """The connection is over: in-flight messages go back to the channel."""

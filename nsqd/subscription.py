@@ -15,6 +15,7 @@ grants) by spreading messages over links or lease names.
 
 from __future__ import annotations
 
+import math
 import random
 from typing import TYPE_CHECKING, Protocol
 
@@ -129,19 +130,24 @@ class Subscription:
         return room
 
     # ------------------------------------------------------------------ take
-    def take(self, count: int, now_ns: int) -> list[Piece]:
-        """Up to ``count`` messages (within the budget), now in flight here; as chunk slices."""
+    def take(self, count: int, now_ns: int, max_bytes: float = math.inf) -> list[Piece]:
+        """Up to ``count`` messages (within the budget), now in flight here; as chunk slices.
+
+        With ``max_bytes`` the take stops at the message that reaches it (see
+        :meth:`Channel.take`): a consumer takes what it can write soon, not
+        its whole RDY of messages at once.
+        """
         lease = self.lease
         if lease is not None and lease.sealed:
             return []
         count = self.room(count)
         if count <= 0:
             return []
-        pieces = self.channel.take(count, self, now_ns)
+        pieces = self.channel.take(count, self, now_ns, max_bytes)
         if not pieces:
             return pieces
         if self.sample_rate:
-            pieces = self._sampled(pieces, count, now_ns)
+            pieces = self._sampled(pieces, count, now_ns, max_bytes)
         add = (lease.in_flight if lease is not None else self.in_flight).add
         deadline = now_ns + (lease.timeout_ns if lease is not None else self.msg_timeout_ns)
         taken = 0
@@ -151,7 +157,7 @@ class Subscription:
         self.message_count += taken
         return pieces
 
-    def _sampled(self, pieces: list[Piece], count: int, now_ns: int) -> list[Piece]:
+    def _sampled(self, pieces: list[Piece], count: int, now_ns: int, max_bytes: float) -> list[Piece]:
         """The ``sample_rate`` share of ``pieces``, topped up from the channel for what was dropped.
 
         As nsqd's pump reads on after a dropped message: a take whose messages
@@ -166,9 +172,11 @@ class Subscription:
             if got == sum(len(ids) for ids, _, _ in pieces):  # nothing dropped: the channel gave what it had
                 break
             count -= got
-            if count <= 0:
+            if max_bytes != math.inf:
+                max_bytes -= sum(sum(map(len, frames)) for _, frames, _ in sampled)
+            if count <= 0 or max_bytes <= 0:
                 break
-            pieces = self.channel.take(count, self, now_ns)
+            pieces = self.channel.take(count, self, now_ns, max_bytes)
         return kept
 
     # ---------------------------------------------------------------- settle

@@ -34,8 +34,11 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("nsqd.topic")
 
-#: messages moved from a topic's disk backlog to its channels per step
+#: messages moved from a topic's disk backlog to its channels per step, and the bytes at which a
+#: step stops early (within one disk scan window), so a backlog of large messages is moved a few
+#: megabytes at a time, not 2,000 of them in one go
 BACKLOG_STEP = 2000
+BACKLOG_STEP_BYTES = 4 * 1024 * 1024
 
 
 class QueueFull(Exception):
@@ -340,7 +343,7 @@ class Topic:
         self._retry = []
         if not items and self.backend is not None:
             try:
-                payloads, positions = self.backend.read_positioned(BACKLOG_STEP)
+                payloads, positions = self.backend.read_positioned(BACKLOG_STEP, BACKLOG_STEP_BYTES)
             except DiskQueueError as exc:
                 log.error("cannot read the topic's disk queue", topic=self.name, error=str(exc))
                 return False, []

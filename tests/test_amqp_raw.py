@@ -10,7 +10,7 @@ import trio
 
 from amqp_gateway import codec, events as ev, performatives as p
 from amqp_gateway.connection import Connection
-from amqp_gateway.consumer import FILL_BATCH
+from amqp_gateway.consumer import FILL_BYTES
 from amqp_gateway.framing import EMPTY_FRAME, encode_frame
 from amqp_gateway.sasl import SaslClient
 from amqp_gateway.sections import Data, Header, Message, decode_message, encode_message
@@ -405,8 +405,9 @@ async def test_huge_credit_never_takes_more_than_the_socket_drains_nor_the_budge
         await trio.sleep(0.5)   # and read nothing
         channel = nsqd.topics["t"].channels["c"]
         in_flight = channel.in_flight_count
-        # taken a batch at a time, and only as far as the socket took the batches
-        assert 0 < in_flight <= total // 2 and in_flight % FILL_BATCH == 0
+        # taken a round at a time (FILL_BATCH messages or FILL_BYTES: 66 of these), and only as
+        # far as the socket took the rounds
+        assert 0 < in_flight <= total // 2 and in_flight % (FILL_BYTES // 16_000 + 1) == 0
         assert channel.depth == total - in_flight
         got = []
         with trio.fail_after(10):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import errno
 import functools
+import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -302,12 +303,13 @@ class DiskQueue:
         """Remove and return up to ``max_count`` records, oldest first; [] if none."""
         return self._read(max_count, None)
 
-    def read_positioned(self, max_count: int) -> tuple[list[bytes], list[int]]:
-        """:meth:`read_many`, with each record's position."""
+    def read_positioned(self, max_count: int, max_bytes: float = math.inf) -> tuple[list[bytes], list[int]]:
+        """:meth:`read_many`, with each record's position; stops once the records add up to
+        ``max_bytes`` (past it by at most one scan window, or one record if bigger)."""
         positions: list[int] = []
-        return self._read(max_count, positions), positions
+        return self._read(max_count, positions, max_bytes), positions
 
-    def _read(self, max_count: int, positions: list[int] | None) -> list[bytes]:
+    def _read(self, max_count: int, positions: list[int] | None, max_bytes: float = math.inf) -> list[bytes]:
         self._check_open()
         if max_count <= 0:
             return []
@@ -318,7 +320,7 @@ class DiskQueue:
             found = positions if not filtering else (positions if positions is not None else [])
             first = len(found) if found is not None else 0
             try:
-                records = reader.read_many(max_count, found)
+                records = reader.read_many(max_count, found, max_bytes)
             except OSError as exc:
                 error = DiskQueueReadError.from_os_error(
                     exc, f"disk queue {self.name!r}: cannot read {self._files.segment_path(reader.segment)}")

@@ -8,6 +8,7 @@ forward for the next record that verifies.
 
 from __future__ import annotations
 
+import math
 import os
 
 import structlog
@@ -113,24 +114,30 @@ class SegmentReader:
         parse_records(data, 0, 1, self._min_size, self._max_size, found)
         return found[0] if found else None
 
-    def read_many(self, max_count: int, positions: list[int] | None = None) -> list[bytes]:
+    def read_many(self, max_count: int, positions: list[int] | None = None,
+                  max_bytes: float = math.inf) -> list[bytes]:
         """Up to ``max_count`` payloads in order; their positions go to ``positions`` if given.
 
+        Reading stops once the payloads add up to ``max_bytes`` or more: past
+        it by at most what one scan window holds (or one record, if bigger).
         Raises OSError only if nothing was read; otherwise returns what was
         read and lets the next call meet the error again.
         """
         out: list[bytes] = []
         try:
-            self._read_into(out, max_count, positions)
+            self._read_into(out, max_count, positions, max_bytes)
         except OSError:
             if not out:
                 raise
         self.bytes_read += sum(map(len, out)) + RECORD_HEADER_SIZE * len(out)
         return out
 
-    def _read_into(self, out: list[bytes], max_count: int, positions: list[int] | None) -> None:
-        while len(out) < max_count:
+    def _read_into(self, out: list[bytes], max_count: int, positions: list[int] | None,
+                   max_bytes: float) -> None:
+        nbytes = 0
+        while len(out) < max_count and nbytes < max_bytes:
             chunk = self._chunk
+            before = len(out)
             start = self.offset - self._chunk_start
             offsets: list[int] | None = None if positions is None else []
             offset, _, outcome = parse_records(chunk, start, max_count - len(out), self._min_size, self._max_size,
@@ -140,6 +147,8 @@ class SegmentReader:
             self.offset = self._chunk_start + offset
             if outcome is Outcome.COUNT_REACHED:
                 return
+            if max_bytes != math.inf:
+                nbytes += sum(map(len, out[before:]))
             limit = self._limit()
             if limit is None:
                 self._skip_missing_segment()

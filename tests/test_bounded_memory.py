@@ -1,0 +1,149 @@
+"""Careless and hostile clients against ``python -m nsqd`` as a subprocess, its memory read
+from /proc: what they make the daemon hold stays bounded (docs/limits.md)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+
+from amqp_gateway import performatives as p
+
+from .conftest import HTTPClient
+from .support import FRAME_MESSAGE, NSQConnection, free_port
+from .test_amqp_raw import Client
+
+MIB = 1024 * 1024
+
+
+class Subprocess:
+    """The daemon with all three ports, logging to a file, and its memory figures."""
+
+    def __init__(self, tmp_path, *args: str) -> None:
+        self.tcp, self.http, self.amqp = free_port(), free_port(), free_port()
+        self.log = open(tmp_path / "nsqd.log", "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "nsqd", f"--tcp-address=127.0.0.1:{self.tcp}",
+             f"--http-address=127.0.0.1:{self.http}", f"--amqp-address=127.0.0.1:{self.amqp}",
+             "--shutdown-grace=0", f"--data-path={tmp_path / 'data'}", "--log-level=error", *args],
+            stdout=subprocess.DEVNULL, stderr=self.log)
+        deadline = time.monotonic() + 20
+        for port in (self.tcp, self.http, self.amqp):
+            while True:
+                assert self.proc.poll() is None, (tmp_path / "nsqd.log").read_text()
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline, "the daemon did not start"
+                    time.sleep(0.05)
+
+    def memory_mb(self) -> dict[str, float]:
+        """VmRSS (now) and VmHWM (the peak so far), in MiB."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return {key: int(fields[key].split()[0]) / 1024 for key in ("VmRSS", "VmHWM")}
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+        self.log.close()
+
+
+async def _publish_large(port: int, topic: str, count: int, size: int) -> None:
+    conn = await NSQConnection.open(port)
+    for _ in range(count):
+        await conn.pub(topic, b"x" * size)
+    await conn.close()
+
+
+@asynccontextmanager
+async def _big_topic(tmp_path):
+    """The daemon with 60 MiB of 1 MiB messages in topic "big" (most on disk), and its memory then."""
+    daemon = Subprocess(tmp_path, "--mem-queue-size=10")
+    try:
+        await _publish_large(daemon.tcp, "big", 60, MIB - 64)
+        await trio.sleep(0.3)
+        yield daemon, daemon.memory_mb()
+    finally:
+        daemon.stop()
+
+
+async def _channel_stats(http_port: int, topic: str) -> dict:
+    stats = (await HTTPClient(http_port).get(f"/stats?format=json&topic={topic}")).json()
+    return stats["topics"][0]["channels"][0]
+
+
+async def _greedy_nsq_consumer(daemon: Subprocess):
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", daemon.tcp))
+    consumer = NSQConnection(trio.SocketStream(trio.socket.from_stdlib_socket(sock)))
+    await consumer.send(b"  V2")
+    await consumer.sub("big", "c")
+    await consumer.command("RDY 2500")  # and never read again
+    return consumer.stream
+
+
+async def _greedy_amqp_receiver(daemon: Subprocess):
+    client = await Client.connect(daemon.amqp)
+    link = client.session.attach("greedy", p.RECEIVER)
+    link.attach(p.Source("/topics/big/channels/c"), p.Target())
+    await client.until(lambda: link.attach_received)
+    link.flow(1_000_000)  # and never read again
+    await client.flush()
+    return client
+
+
+@pytest.mark.parametrize("greedy", [_greedy_nsq_consumer, _greedy_amqp_receiver], ids=["nsq", "amqp"])
+async def test_a_consumer_that_does_not_read_holds_a_bounded_share_of_a_big_topic(tmp_path, greedy):
+    async with _big_topic(tmp_path) as (daemon, before):
+        consumer = await greedy(daemon)
+        await trio.sleep(1.5)
+        channel = await _channel_stats(daemon.http, "big")
+        after = daemon.memory_mb()
+        # the socket buffers and one fill, not the topic: NSQ held all 60, AMQP 256 (FILL_BATCH)
+        assert channel["in_flight_count"] <= 16, channel
+        assert channel["depth"] + channel["in_flight_count"] == 60
+        assert after["VmHWM"] - before["VmRSS"] < 40, (before, after)
+        await consumer.aclose()
+
+
+async def test_a_deep_disk_backlog_moves_to_a_new_channel_in_small_steps(tmp_path):
+    async with _big_topic(tmp_path) as (daemon, before):  # the topic keeps 50 on its disk
+        consumer = await NSQConnection.open(daemon.tcp)
+        await consumer.sub("big", "c")  # the backlog moves to the channel: it read 2,000 a step
+        with trio.fail_after(10):
+            while (await _channel_stats(daemon.http, "big"))["depth"] < 60:
+                await trio.sleep(0.05)
+        after = daemon.memory_mb()
+        assert after["VmHWM"] - before["VmRSS"] < 30, (before, after)
+        await consumer.command("RDY 1")
+        kind, data = await consumer.read_non_heartbeat()
+        assert kind == FRAME_MESSAGE and len(data) == 26 + MIB - 64
+        await consumer.close()
+
+
+async def test_a_reading_consumer_still_gets_every_large_message(tmp_path):
+    daemon = Subprocess(tmp_path, "--mem-queue-size=5")
+    try:
+        conn = await NSQConnection.open(daemon.tcp)
+        await conn.sub("t", "c")
+        pub = await NSQConnection.open(daemon.tcp)
+        for i in range(30):  # 30 messages of 512 KiB: many fills of FILL_BYTES each
+            await pub.pub("t", b"%04d" % i + b"y" * (512 * 1024))
+        await conn.command("RDY 2500")
+        seen = []
+        for _ in range(30):
+            msg = await conn.read_message()
+            seen.append(int(msg.body[:4]))
+            await conn.command(b"FIN " + msg.id)
+        # all of them (memory and disk take turns: not in order), none stuck behind a fill cut short
+        assert sorted(seen) == list(range(30))
+    finally:
+        daemon.stop()
