@@ -10,8 +10,11 @@ Where each message of the channel is, exactly one of:
   ephemeral channels, whose overflow is dropped and counted, as in nsqd).
 - in flight: in the :class:`~nsqd.in_flight.InFlight` map of the
   :class:`~nsqd.subscription.Subscription` it was sent to, or of a lease
-  (:mod:`nsqd.leases`), until FIN, REQ, timeout or the subscription leaves
-  (then it goes back to the head of the queue at once, in its original order).
+  (:mod:`nsqd.leases`), until FIN, REQ, timeout or the subscription leaves.
+  REQ and a timeout put it at the back of the queue, as nsqd does, so the
+  messages waiting are delivered before the retry; a subscription that
+  leaves gives its messages back to the head of the queue at once, in their
+  original order.
 - deferred: a heap ordered by due time (DPUB, REQ with a delay). Past
   ``mem_queue_size`` entries deferred messages go to disk with their due time
   and are looked at again when read back.
@@ -362,8 +365,20 @@ class Channel:
         """Prepare and commit in one step (one channel, or a caller with no other channel to roll back)."""
         self.commit_put(self.prepare_put(ids, frames, durable))
 
+    def _push_back(self, items: list[Item]) -> None:
+        """REQ'd and timed-out messages join the back of the queue, as nsqd's ``put`` does.
+
+        They stay in memory past ``mem_queue_size`` (they were in memory while
+        in flight, so this holds no more than before); those read from disk
+        keep their records.
+        """
+        for piece in pieces(items):
+            self._chunks.append(piece)
+            self._mem_count += len(piece[0])
+            self._mem_bytes += sum(map(len, piece[1]))
+
     def _push_front(self, items: list[Item]) -> None:
-        """Requeued messages go to the head of the queue so they are retried first."""
+        """Messages given back by a subscription that left go to the head of the queue, in order."""
         if self._head:
             ids0, frames0, positions0 = self._chunks[0]
             self._chunks[0] = (ids0[self._head:], frames0[self._head:],
@@ -577,11 +592,14 @@ class Channel:
         return kept
 
     # ------------------------------------------------------- consumer verbs
-    def requeue(self, item: Item, delay_ns: int, now_ns: int, *, count_attempt: bool = True) -> None:
+    def requeue(self, item: Item, delay_ns: int, now_ns: int, *, count_attempt: bool = True,
+                front: bool = False) -> None:
         """A consumer gave a message back; it was already removed from in-flight.
 
         NSQ's REQ counts the delivery (attempts) and a failed delivery; an AMQP
-        ``released`` counts neither.
+        ``released`` counts neither. Without a delay it goes to the back of
+        the queue, as nsqd's REQ 0 does (``front``: to the head, for AMQP's
+        dispositions and ``LREQ``).
         """
         frame, pos = item
         self.requeue_count += 1
@@ -594,15 +612,18 @@ class Channel:
             self._revise(frame, pos)
         if delay_ns > 0:
             self._defer(frame, now_ns + delay_ns, pos)
-        else:
+        elif front:
             self._push_front([(frame, pos)])
+            self._wake(1)
+        else:
+            self._push_back([(frame, pos)])
             self._wake(1)
 
     def requeue_many(self, items: list[Item], now_ns: int, *, count_attempt: bool) -> None:
         """Give several back at once; the first is delivered first again."""
         if count_attempt:
             for item in reversed(items):
-                self.requeue(item, 0, now_ns)
+                self.requeue(item, 0, now_ns, front=True)
             return
         self.released.update(message.frame_id(frame) for frame, _ in items)
         self.requeue_count += len(items)
@@ -635,8 +656,8 @@ class Channel:
         max_attempts = self.policy.max_attempts
         return bool(max_attempts) and message.frame_attempts(frame) >= max_attempts
 
-    def _give_back(self, items: list[Item]) -> None:
-        """Delivered messages back to the head of the queue, or to the dead letters."""
+    def _give_back(self, items: list[Item], *, front: bool = True) -> None:
+        """Delivered messages back to the queue (its head unless not ``front``), or to the dead letters."""
         if self.policy.max_attempts:
             dead = [frame for frame, _ in items if self._exhausted(frame)]
             if dead:
@@ -646,7 +667,7 @@ class Channel:
             back = [(message.next_attempt(frame), pos) for frame, pos in items]
             for frame, pos in back:
                 self._revise(frame, pos)
-            self._push_front(back)
+            (self._push_front if front else self._push_back)(back)
             self._wake(len(items))
 
     def _dead_letter(self, frames: list[bytes]) -> None:
@@ -725,7 +746,7 @@ class Channel:
         self.timeout_count += len(items)
         for frame, _ in items:
             self.count_failure(message.frame_id(frame))
-        self._give_back(items)
+        self._give_back(items, front=False)
 
     def process_deferred(self, now_ns: int) -> bool:
         """Move deferred messages that are due to the queue; True if there was any.

@@ -345,7 +345,7 @@ class Subscription:
         channel = self.channel
         _, items = channel.leases.settle(name)
         for item in items:
-            channel.requeue(item, delay_ns, now_ns)
+            channel.requeue(item, delay_ns, now_ns, front=True)
         self.requeue_count += len(items)
         channel.settled()
         return len(items)

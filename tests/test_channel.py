@@ -114,7 +114,8 @@ def test_finish_checks_ownership():
     assert second.requeue(ids[0], 0, 0) == NOT_IN_FLIGHT
 
 
-def test_timeout_requeues_to_front_with_attempts_bumped():
+def test_timeout_requeues_to_back_with_attempts_bumped():
+    """As nsqd's ``put``: the messages waiting go first, then the timed-out ones."""
     ch = channel()
     sub, _ = subscribe(ch, rdy=2, timeout=10)
     ids, frames = chunk(4)
@@ -123,7 +124,11 @@ def test_timeout_requeues_to_front_with_attempts_bumped():
     assert ch.process_in_flight(5) is False
     assert ch.process_in_flight(10) is True
     assert ch.timeout_count == 2 and sub.timeout_count == 2 and len(sub.in_flight) == 0
-    again = fill(sub, 11)
+    waiting = fill(sub, 11)
+    assert ids_of(waiting) == ids[2:]
+    assert [message.frame_attempts(f) for f in waiting] == [1, 1]
+    sub.in_flight.drain()
+    again = fill(sub, 12)
     assert ids_of(again) == ids[:2]
     assert [message.frame_attempts(f) for f in again] == [2, 2]
 

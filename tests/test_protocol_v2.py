@@ -156,6 +156,26 @@ async def test_req_redelivers_with_attempts_and_deferred_req_waits(tmp_path):
         assert channel.requeue_count == 2
 
 
+async def test_req_0_and_timed_out_messages_go_behind_the_waiting_ones(tmp_path):
+    """nsqd puts a REQ'd (no delay) or timed-out message at the back of the channel's queue,
+    so a consumer with RDY 1 gets what was waiting first (ansq's test_timeout_messages relies on it)."""
+    async with running_nsqd(tmp_path, queue_scan_interval=0.02) as nsqd:
+        pub = await NSQConnection.open(tcp_port(nsqd))
+        await pub.mpub("t", [b"a", b"b", b"c"])
+        sub = await subscriber(nsqd, "t", "c", rdy=1, msg_timeout=1000)
+        a = await sub.read_message()
+        await sub.command(b"REQ " + a.id + b" 0")
+        b = await sub.read_message()
+        assert (b.body, b.attempts) == (b"b", 1)
+        await trio.sleep(1.1)  # b times out
+        got = [await sub.read_message(timeout=2)]
+        await sub.command(b"FIN " + got[0].id)
+        got.append(await sub.read_message(timeout=2))
+        await sub.command(b"FIN " + got[1].id)
+        got.append(await sub.read_message(timeout=2))
+        assert [(m.body, m.attempts) for m in got] == [(b"c", 1), (b"a", 2), (b"b", 2)]
+
+
 async def test_req_timeouts_are_clamped_as_nsqds_durations(tmp_path):
     """nsqd makes the milliseconds a Duration, which wraps past int64, and clamps
     the result to [0, --max-req-timeout]: a wrapped negative timeout is 0, not the maximum."""
