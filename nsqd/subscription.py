@@ -344,7 +344,7 @@ class Subscription:
         """``LREQ``: give every message of a lease back; returns how many."""
         channel = self.channel
         _, items = channel.leases.settle(name)
-        for item in items:
+        for item in items if delay_ns > 0 else reversed(items):  # each to the head: the first stays first
             channel.requeue(item, delay_ns, now_ns, front=True)
         self.requeue_count += len(items)
         channel.settled()

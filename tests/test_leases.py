@@ -83,14 +83,17 @@ async def test_untouched_lease_expires_and_redelivers(tmp_path):
 async def test_lreq_requeues_the_whole_lease(tmp_path):
     async with running_nsqd(tmp_path) as nsqd:
         conn = await lease_consumer(nsqd)
-        await conn.mpub("t", [b"a", b"b"])
+        await conn.mpub("t", [b"a", b"b", b"c", b"d"])
         await lease_command(conn, "LEASE x")
-        await conn.command("RDY 2")
-        [await conn.read_message() for _ in range(2)]
+        await conn.command("RDY 3")
+        [await conn.read_message() for _ in range(3)]
         await lease_command(conn, "LEASE")  # stop tagging: the lease is sealed
-        assert await lease_command(conn, "LREQ x 0") == {"lease": "x", "count": 2}
-        again = sorted([(await conn.read_message()).body for _ in range(2)])
-        assert again == [b"a", b"b"]
+        assert await lease_command(conn, "LREQ x 0") == {"lease": "x", "count": 3}
+        await conn.command("RDY 4")
+        again = [await conn.read_message() for _ in range(4)]
+        # back at the head of the queue, in the order they were delivered
+        assert [m.body for m in again] == [b"a", b"b", b"c", b"d"]
+        assert [m.attempts for m in again] == [2, 2, 2, 1]
 
 
 async def test_lease_commands_need_the_feature(tmp_path):
