@@ -136,7 +136,7 @@ class LinkConsumer:
             pieces = sub.take(want, now_ns, max_bytes)
             if pieces:
                 sent = self._send(pieces)
-                nbytes = sum(sum(map(len, frames)) for _, frames, _ in pieces)
+                nbytes = sub.taken_bytes
         link.available = sub.available
         dry = sent < want and nbytes < max_bytes  # not just cut short by bytes (the writer comes back)
         # the channel ran dry: the rest of the credit is used up (a flow needs no room in the

@@ -80,11 +80,6 @@ def _bytes_of(pieces: list[Piece]) -> int:
     return sum(sum(map(len, frames)) for _, frames, _ in pieces)
 
 
-def _room(max_bytes: float, pieces: list[Piece]) -> float:
-    """What is left of ``max_bytes`` after ``pieces``."""
-    return max_bytes if max_bytes == math.inf else max_bytes - _bytes_of(pieces)
-
-
 def _fitting(frames: list[bytes], start: int, end: int, max_bytes: float) -> int:
     """How many of ``frames[start:end]`` to take to reach ``max_bytes`` (all if they stay under it)."""
     sizes = list(accumulate(map(len, frames[start:end])))
@@ -424,6 +419,7 @@ class Channel:
         never delivered.
         """
         pieces: list[Piece] = []
+        sub.taken_bytes = 0
         if self.paused or self.exiting or self.draining:
             return pieces
         want = n
@@ -431,15 +427,16 @@ class Channel:
         left = max_bytes
         while True:
             batch: list[Piece] = []
-            taken = self._take_some(want, batch, now_ns, left)
+            taken, nbytes = self._take_some(want, batch, now_ns, left)
             got = taken
             if ttl_ns and taken:
                 batch = self._unexpired(batch, now_ns - ttl_ns)
                 got = sum(len(ids) for ids, _, _ in batch)
+                nbytes = _bytes_of(batch)
             pieces += batch
             want -= got
-            if left != math.inf:
-                left -= _bytes_of(batch)
+            left -= nbytes
+            sub.taken_bytes += nbytes
             if got == taken or want <= 0 or left <= 0:  # nothing expired, or enough
                 break
         if want > 0 and left > 0:
@@ -453,17 +450,22 @@ class Channel:
         if notify is not None:
             notify()
 
-    def _take_some(self, want: int, pieces: list[Piece], now_ns: int, max_bytes: float) -> int:
-        taken = 0
+    def _take_some(self, want: int, pieces: list[Piece], now_ns: int, max_bytes: float) -> tuple[int, int]:
+        """Up to ``want`` messages and ``max_bytes``: (messages, their bytes)."""
+        taken = nbytes = 0
         backend = self.backend
         disk_first = self._disk_turn = not self._disk_turn
         if disk_first and backend is not None and backend.depth:
-            taken += self._take_disk(want, pieces, now_ns, max_bytes)
-        if want > taken and self._mem_count and (left := _room(max_bytes, pieces)) > 0:
-            taken += self._take_memory(want - taken, pieces, left)
-        if want > taken and backend is not None and backend.depth and (left := _room(max_bytes, pieces)) > 0:
-            taken += self._take_disk(want - taken, pieces, now_ns, left)
-        return taken
+            taken, nbytes = self._take_disk(want, pieces, now_ns, max_bytes)
+        if want > taken and self._mem_count and nbytes < max_bytes:
+            got, size = self._take_memory(want - taken, pieces, max_bytes - nbytes)
+            taken += got
+            nbytes += size
+        if want > taken and backend is not None and backend.depth and nbytes < max_bytes:
+            got, size = self._take_disk(want - taken, pieces, now_ns, max_bytes - nbytes)
+            taken += got
+            nbytes += size
+        return taken, nbytes
 
     def _unexpired(self, pieces: list[Piece], cutoff_ns: int) -> list[Piece]:
         """Drop (and count) messages published before ``cutoff_ns``: never delivered."""
@@ -482,35 +484,39 @@ class Channel:
                              None if positions is None else tuple(positions[i] for i in fresh)))
         return kept
 
-    def _take_memory(self, n: int, pieces: list[Piece], max_bytes: float = math.inf) -> int:
+    def _take_memory(self, n: int, pieces: list[Piece], max_bytes: float = math.inf) -> tuple[int, int]:
+        """Up to ``n`` messages from memory, stopping at the one that reaches ``max_bytes``: (messages, bytes)."""
         taken = 0
         nbytes = 0
         chunks = self._chunks
         while taken < n and chunks and nbytes < max_bytes:
             ids, frames, positions = chunks[0]
             start = self._head
-            end = start + n - taken
-            if max_bytes != math.inf:
+            end = min(start + n - taken, len(ids))
+            part = frames[start:end] if start or end < len(ids) else frames
+            size = sum(map(len, part))
+            if nbytes + size > max_bytes:  # the rare cut: sized message by message
                 end = start + _fitting(frames, start, end, max_bytes - nbytes)
+                part = frames[start:end]
+                size = sum(map(len, part))
             if end >= len(ids):
                 if start:
-                    ids, frames = ids[start:], frames[start:]
+                    ids = ids[start:]
                     positions = None if positions is None else positions[start:]
                 chunks.popleft()
                 self._head = 0
             else:
-                ids, frames = ids[start:end], frames[start:end]
+                ids = ids[start:end]
                 positions = None if positions is None else positions[start:end]
                 self._head = end
-            pieces.append((ids, frames, positions))
+            pieces.append((ids, part, positions))
             taken += len(ids)
-            size = sum(map(len, frames))
             self._mem_bytes -= size
             nbytes += size
         self._mem_count -= taken
-        return taken
+        return taken, nbytes
 
-    def _take_disk(self, n: int, pieces: list[Piece], now_ns: int, max_bytes: float = math.inf) -> int:
+    def _take_disk(self, n: int, pieces: list[Piece], now_ns: int, max_bytes: float = math.inf) -> tuple[int, int]:
         """Up to ``n`` messages from disk, reading on past the records set aside.
 
         A deferred record not yet due (or an undecodable one) is no message
@@ -519,16 +525,17 @@ class Channel:
         records are set aside, up to the records there were when it started:
         a deferred one may be written back behind them (:meth:`_defer`).
         """
-        left = self.backend.depth
-        taken = 0
+        backend = self.backend
+        left = backend.depth
+        taken = nbytes = 0
         while True:
-            got, read = self._read_disk(n - taken, pieces, now_ns, max_bytes)
+            before = backend.bytes_read
+            got, read = self._read_disk(n - taken, pieces, now_ns, max_bytes - nbytes)
             taken += got
             left -= read
-            if got and max_bytes != math.inf:
-                max_bytes -= _bytes_of(pieces[-1:])
-            if got == read or taken >= n or left <= 0 or max_bytes <= 0:
-                return taken
+            nbytes += backend.bytes_read - before  # what was read, records set aside and headers included
+            if got == read or taken >= n or left <= 0 or nbytes >= max_bytes:
+                return taken, nbytes
 
     def _read_disk(self, n: int, pieces: list[Piece], now_ns: int, max_bytes: float = math.inf) -> tuple[int, int]:
         """One read of up to ``n`` records (stopping at ``max_bytes``): (messages to deliver, records read)."""
@@ -682,7 +689,7 @@ class Channel:
     def drop_oldest(self, count_: int) -> None:
         """Make room under the drop-oldest policy: the head of the queue goes first."""
         pieces: list[Piece] = []
-        dropped = self._take_memory(min(count_, self._mem_count), pieces)
+        dropped, _ = self._take_memory(min(count_, self._mem_count), pieces)
         if dropped < count_ and self.backend is not None:
             try:
                 dropped += len(self.backend.read_many(count_ - dropped))

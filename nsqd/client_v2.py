@@ -167,7 +167,7 @@ class ClientV2:
         taken = len(out) - before
         if waited and taken:
             self.flush_now = True  # held long enough already
-        if 0 < taken < free and sum(map(len, out[before:])) >= FILL_BYTES:
+        if 0 < taken < free and sub.taken_bytes >= FILL_BYTES:
             self.on_wake()  # cut short by FILL_BYTES: the writer comes back once these are written
 
     def unsubscribe(self) -> None:

@@ -90,6 +90,8 @@ class Subscription:
         self.sample_rate = 0
         self.closed = False
         self.message_count = 0
+        #: bytes the last take used: its messages' (from disk: the records read, headers included)
+        self.taken_bytes = 0
         self.finish_count = 0
         self.requeue_count = 0
         self.timeout_count = 0
@@ -137,6 +139,7 @@ class Subscription:
         :meth:`Channel.take`): a consumer takes what it can write soon, not
         its whole RDY of messages at once.
         """
+        self.taken_bytes = 0
         lease = self.lease
         if lease is not None and lease.sealed:
             return []
@@ -148,6 +151,7 @@ class Subscription:
             return pieces
         if self.sample_rate:
             pieces = self._sampled(pieces, count, now_ns, max_bytes)
+            self.taken_bytes = sum(sum(map(len, frames)) for _, frames, _ in pieces)
         add = (lease.in_flight if lease is not None else self.in_flight).add
         deadline = now_ns + (lease.timeout_ns if lease is not None else self.msg_timeout_ns)
         taken = 0

@@ -245,6 +245,11 @@ class DiskQueue:
         return [self._reader.record_at(pos) for pos in positions]
 
     @property
+    def bytes_read(self) -> int:
+        """Bytes of records read so far, headers included (a counter: what one read took is its growth)."""
+        return self._reader.bytes_read
+
+    @property
     def read_position(self) -> int:
         return self._reader.position
 

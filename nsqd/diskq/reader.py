@@ -137,7 +137,6 @@ class SegmentReader:
         nbytes = 0
         while len(out) < max_count and nbytes < max_bytes:
             chunk = self._chunk
-            before = len(out)
             start = self.offset - self._chunk_start
             offsets: list[int] | None = None if positions is None else []
             offset, _, outcome = parse_records(chunk, start, max_count - len(out), self._min_size, self._max_size,
@@ -147,8 +146,7 @@ class SegmentReader:
             self.offset = self._chunk_start + offset
             if outcome is Outcome.COUNT_REACHED:
                 return
-            if max_bytes != math.inf:
-                nbytes += sum(map(len, out[before:]))
+            nbytes += offset - start  # the records parsed, headers included
             limit = self._limit()
             if limit is None:
                 self._skip_missing_segment()
