@@ -296,6 +296,39 @@ async def test_sync_timeout_checkpoints_unsynced_writes_and_reads(tmp_path):
     queue.close()
 
 
+class TaskSteps(trio.abc.Instrument):
+    """Counts the scheduler steps of tasks whose name ends with ``suffix``."""
+
+    def __init__(self, suffix: str) -> None:
+        self.suffix = suffix
+        self.steps = 0
+
+    def before_task_step(self, task) -> None:
+        if task.name.endswith(self.suffix):
+            self.steps += 1
+
+
+async def test_a_clean_queue_sleeps_until_something_changes(tmp_path):
+    """Thousands of idle topics and channels must cost no CPU: a clean queue's run() never wakes by itself."""
+    queue = DiskQueue("q", tmp_path, sync_timeout=0.02)
+    steps = TaskSteps("DiskQueue.run")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(queue.run)
+        queue.put_many([b"a", b"b"])
+        await wait_until(lambda: metadata(tmp_path)["depth"] == 2)
+        trio.lowlevel.add_instrument(steps)
+        await trio.sleep(0.3)  # 15 sync timeouts with nothing to save
+        assert steps.steps == 0
+        queue.read_many(1)  # the first change after the idle spell is checkpointed as before
+        await wait_until(lambda: metadata(tmp_path)["depth"] == 1)
+        assert steps.steps >= 1
+        queue.put_many([b"c"])
+        await wait_until(lambda: metadata(tmp_path)["depth"] == 2)
+        trio.lowlevel.remove_instrument(steps)
+        nursery.cancel_scope.cancel()
+    queue.close()
+
+
 async def test_read_segments_are_deleted_by_the_background_checkpoint(tmp_path):
     queue = DiskQueue("q", tmp_path, max_bytes_per_file=16 + 2 * 9, sync_timeout=60)
     async with trio.open_nursery() as nursery:
