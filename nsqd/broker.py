@@ -483,6 +483,8 @@ class Broker:
         return self.open_backend(f"{topic_name}:{channel_name}")
 
     async def _run_backend(self, backend: diskq.DiskQueue) -> None:
+        if backend.closed:  # deleted or closed before this task began: nothing left to commit
+            return
         with trio.CancelScope() as scope:
             self._backend_scopes[id(backend)] = scope
             try:

@@ -457,6 +457,19 @@ async def test_channel_create_pause_unpause_empty_delete(nsqd_server, http):
     assert [c["channel_name"] for c in topic_of(await stats(http), "t")["channels"]] == ["other"]
 
 
+async def test_queues_deleted_before_their_tasks_begin_do_not_stop_the_daemon(nsqd_server, http):
+    """A create and a delete handled in one pass of the scheduler (two admin requests read together):
+    each disk queue's task began after its queue was gone, raised, and took the daemon down."""
+    nsqd_server.declare("t", "c")
+    nsqd_server.delete_topic("t")
+    nsqd_server.declare("u", "c")
+    nsqd_server.delete_channel(nsqd_server.topics["u"], "c")
+    await trio.sleep(0.05)
+    assert_ok_empty(await http.post("/topic/create?topic=t"))
+    assert (await http.post("/pub?topic=t", b"x")).status == 200
+    assert topic_of(await stats(http), "t")["depth"] == 1
+
+
 async def test_admin_posts_ignore_a_body(http):
     """nsqadmin POSTs a JSON body to the admin endpoints; it means nothing."""
     assert_ok_empty(await http.post("/topic/create?topic=t", b'{"topic":"other"}'))
