@@ -370,7 +370,7 @@ class HTTPAPI:
 
     async def stats(self, request: Request) -> Body:
         query = request.query()
-        snap = stats.snapshot(
+        snap = await stats.snapshot_paced(
             self.nsqd,
             topic=_first(query, "topic") or None,
             channel=_first(query, "channel") or None,
@@ -378,8 +378,8 @@ class HTTPAPI:
             include_mem=_BOOL_PARAMS.get(_first(query, "include_mem"), True),
         )
         if _first(query, "format") == "json":
-            return Body(stats.render_json(snap), JSON_TYPE)
-        return text_body(stats.render_text(snap))
+            return Body(await stats.render_json_paced(snap), JSON_TYPE)
+        return text_body(await stats.render_text_paced(snap))
 
     async def pub(self, request: Request) -> str:
         nsqd = self.nsqd

@@ -1,9 +1,12 @@
 """A point-in-time stats snapshot of the daemon, and its JSON and text forms.
 
 One snapshot feeds every reader (``GET /stats``, metrics exporters, the AMQP
-gateway), so they all agree on what a number means. The snapshot is taken in
-one synchronous pass (no awaits), so it is consistent, and it is made of
-frozen dataclasses sorted by name, so it can be handed around freely.
+gateway), so they all agree on what a number means. Each topic's part is
+taken in one synchronous step (no awaits), so it is consistent, and the
+snapshot is made of frozen dataclasses sorted by name, so it can be handed
+around freely. ``GET /stats`` takes and renders it paced (:class:`Pacer`):
+with thousands of channels and clients the whole job takes tens of
+milliseconds, and publishers and consumers are served in between.
 
 Field names and their order are Go nsqd's JSON keys (``nsqd/stats.go`` and
 ``ClientV2Stats``), so the JSON renderer needs no mapping table. Consumers are
@@ -20,7 +23,10 @@ import sys
 import time
 from dataclasses import dataclass, field, fields, is_dataclass
 from datetime import datetime
+from collections.abc import Generator, Iterator
 from typing import TYPE_CHECKING
+
+import trio
 
 from . import e2e
 from .client_v2 import STATE_INIT
@@ -161,6 +167,22 @@ class NSQDStats:
 # --------------------------------------------------------------- snapshot
 
 
+#: longest a paced /stats runs before the event loop serves other work (seconds)
+SLICE = 0.002
+
+
+class Pacer:
+    """Lets the event loop serve everyone else every :data:`SLICE` of a long job."""
+
+    def __init__(self) -> None:
+        self._since = time.perf_counter()
+
+    async def step(self) -> None:
+        if time.perf_counter() - self._since >= SLICE:
+            await trio.lowlevel.checkpoint()
+            self._since = time.perf_counter()
+
+
 def snapshot(
     nsqd: Broker,
     topic: str | None = None,
@@ -175,6 +197,34 @@ def snapshot(
     each with its publish counts for the requested topic only; a topic that
     does not exist leaves out the producers as well (nsqd's GetStats returns early).
     """
+    steps = _snapshot_steps(nsqd, topic, channel, include_clients, include_mem)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+async def snapshot_paced(nsqd: Broker, **filters) -> NSQDStats:
+    """:func:`snapshot` (the same filters), letting other work run between topics.
+
+    A topic deleted meanwhile is left out.
+    """
+    steps = _snapshot_steps(nsqd, **filters)
+    pacer = Pacer()
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+        await pacer.step()
+
+
+def _snapshot_steps(
+    nsqd: Broker, topic: str | None = None, channel: str | None = None, include_clients: bool = True,
+    include_mem: bool = False,
+) -> Generator[None, None, NSQDStats]:
+    """Builds the snapshot one topic a step."""
     topic_missing = False
     if topic:
         found = nsqd.topics.get(topic)
@@ -184,6 +234,8 @@ def snapshot(
         topics = sorted(nsqd.topics.values(), key=lambda t: t.name)
     topic_stats = []
     for t in topics:
+        if nsqd.topics.get(t.name) is not t:
+            continue  # deleted since the last step
         if channel:
             found_channel = t.channels.get(channel)
             if found_channel is None:
@@ -194,6 +246,7 @@ def snapshot(
         now_ns = nsqd.now_ns()
         channel_stats = tuple(_channel_stats(c, topic, include_clients, now_ns) for c in channels)
         topic_stats.append(_topic_stats(t, channel_stats, now_ns))
+        yield
     producers: tuple[ClientStats, ...] = ()
     if include_clients and not topic_missing:
         producers = tuple(
@@ -338,15 +391,19 @@ def _rss_bytes() -> int:
 
 def to_json_value(obj: object) -> object:
     """Plain JSON data for a stats object, keys in Go's order, omitempty applied."""
-    if is_dataclass(obj):
+    kind = type(obj)
+    if kind in _JSON_SCALARS:
+        return obj
+    plan = _JSON_PLANS.get(kind)
+    if plan is not None or is_dataclass(obj):
+        if plan is None:
+            plan = _JSON_PLANS[kind] = _json_plan(kind)
         out = {}
-        for f in fields(obj):
-            if f.metadata.get("json") is False:
+        for name, omitempty in plan:
+            value = getattr(obj, name)
+            if omitempty and not value:
                 continue
-            value = getattr(obj, f.name)
-            if f.metadata.get("omitempty") and not value:
-                continue
-            out[f.name] = to_json_value(value)
+            out[name] = value if type(value) in _JSON_SCALARS else to_json_value(value)
         return out
     if isinstance(obj, (tuple, list)):
         return [to_json_value(item) for item in obj]
@@ -357,17 +414,67 @@ def to_json_value(obj: object) -> object:
     return obj
 
 
+#: values written as they are (a float is not: an integral one is written as an int)
+_JSON_SCALARS = frozenset((str, int, bool, type(None)))
+#: a stats dataclass's JSON fields in order, each with its omitempty flag; /stats renders
+#: thousands of them, and ``dataclasses.fields`` on each would be a third of its time
+_JSON_PLANS: dict[type, tuple[tuple[str, bool], ...]] = {}
+
+
+def _json_plan(kind: type) -> tuple[tuple[str, bool], ...]:
+    return tuple((f.name, bool(f.metadata.get("omitempty"))) for f in fields(kind) if f.metadata.get("json") is not False)
+
+
+_GO_ESCAPED = "<>&\u2028\u2029"
 _GO_ESCAPES = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
 def go_json(value: object) -> bytes:
     """Compact JSON escaped as Go's encoding/json writes it."""
+    return _go_json_text(value).encode()
+
+
+def _go_json_text(value: object) -> str:
     text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-    return text.translate(_GO_ESCAPES).encode()
+    if any(char in text for char in _GO_ESCAPED):  # a scan each is cheaper than translating a big document
+        text = text.translate(_GO_ESCAPES)
+    return text
 
 
 def render_json(stats: NSQDStats) -> bytes:
-    return go_json(to_json_value(stats))
+    return "".join(_json_pieces(stats)).encode()
+
+
+async def render_json_paced(stats: NSQDStats) -> bytes:
+    """:func:`render_json`, letting other work run between topics."""
+    return await _paced(_json_pieces(stats))
+
+
+def _json_pieces(stats: NSQDStats) -> Iterator[str]:
+    """The document as its head, one piece a topic, and its tail (each topic encoded on its own)."""
+    separator = "{"
+    for name, omitempty in _JSON_PLANS.get(NSQDStats) or _json_plan(NSQDStats):
+        value = getattr(stats, name)
+        if omitempty and not value:
+            continue
+        if name == "topics":
+            yield f'{separator}"topics":['
+            for index, topic in enumerate(value):
+                yield ("," if index else "") + _go_json_text(to_json_value(topic))
+            yield "]"
+        else:
+            yield f"{separator}{_go_json_text(name)}:{_go_json_text(to_json_value(value))}"
+        separator = ","
+    yield "}"
+
+
+async def _paced(pieces: Iterator[str]) -> bytes:
+    out = []
+    pacer = Pacer()
+    for piece in pieces:
+        out.append(piece)
+        await pacer.step()
+    return "".join(out).encode()
 
 
 # ------------------------------------------------------------------- text
@@ -379,6 +486,16 @@ def _e2e_text(latency: E2eLatency) -> str:
 
 def render_text(stats: NSQDStats) -> bytes:
     """The human-readable form, laid out as Go nsqd's printStats."""
+    return "".join(_text_pieces(stats)).encode()
+
+
+async def render_text_paced(stats: NSQDStats) -> bytes:
+    """:func:`render_text`, letting other work run between topics."""
+    return await _paced(_text_pieces(stats))
+
+
+def _text_pieces(stats: NSQDStats) -> Iterator[str]:
+    """The text as lines before the topics, one piece a topic, and the producers."""
     now = time.time()
     started = datetime.fromtimestamp(stats.start_time).astimezone()
     stamp = started.isoformat(timespec="seconds").replace("+00:00", "Z")
@@ -393,10 +510,11 @@ def render_text(stats: NSQDStats) -> bytes:
         lines += ["", "Memory:"]
         lines += [f"   {f.name:<25}\t{getattr(stats.memory, f.name)}" for f in fields(stats.memory)]
     lines += ["", "Topics:" if stats.topics else "Topics: None"]
+    yield "\n".join(lines) + "\n"
     for index, t in enumerate(stats.topics):
         mark = "*P " if t.paused else "   "
-        if index:  # nsqd separates topics by a blank line, but none follows "Topics:"
-            lines.append("")
+        # nsqd separates topics by a blank line, but none follows "Topics:"
+        lines = [""] if index else []
         lines.append(
             f"{mark}[{t.topic_name:<15}] depth: {t.depth:<5} be-depth: {t.backend_depth:<5} "
             f"msgs: {t.message_count:<8} e2e%: {_e2e_text(t.e2e_processing_latency)}"
@@ -410,12 +528,13 @@ def render_text(stats: NSQDStats) -> bytes:
                 f"{_e2e_text(c.e2e_processing_latency)}"
             )
             lines += [f"        {client_text(client, now)}" for client in c.clients]
+        yield "\n".join(lines) + "\n"
     if not stats.producers:
-        lines += ["", "Producers: None"]
+        lines = ["", "Producers: None"]
     else:
-        lines += ["", "Producers:"]
+        lines = ["", "Producers:"]
         lines += [f"   {client_text(client, now)}" for client in stats.producers]
-    return ("\n".join(lines) + "\n").encode()
+    yield "\n".join(lines) + "\n"
 
 
 def client_text(c: ClientStats, now: float) -> str:

@@ -1,0 +1,68 @@
+"""A big /stats is taken and rendered in slices, so the event loop serves publishers in between.
+
+With a thousand topics, two thousand channels and a thousand consumers the
+whole job takes tens of milliseconds; taken in one go, every publish and
+delivery of the daemon waited for it (a PUB's answer took up to 150 ms while
+a client polled /stats).
+"""
+
+import trio
+
+from nsqd import stats
+
+from .support import NSQConnection, running_nsqd, tcp_port
+
+
+class Turns:
+    """A task that counts its turns on the event loop."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.on_first_turn = None
+
+    async def run(self) -> None:
+        while True:
+            self.count += 1
+            if self.on_first_turn is not None:
+                self.on_first_turn()
+                self.on_first_turn = None
+            await trio.sleep(0)
+
+
+async def test_snapshot_and_rendering_let_other_tasks_run_between_topics(tmp_path, monkeypatch):
+    monkeypatch.setattr(stats, "SLICE", 0)  # a slice a topic
+    async with running_nsqd(tmp_path) as nsqd:
+        for index in range(40):
+            nsqd.declare(f"t{index:02}", "c")
+        consumer = await NSQConnection.open(tcp_port(nsqd))
+        await consumer.sub("t00", "c")
+        whole = stats.snapshot(nsqd)
+        turns = Turns()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(turns.run)
+            await trio.sleep(0.01)
+            before = turns.count
+            paced = await stats.snapshot_paced(nsqd)
+            taking = turns.count - before
+            json_text = await stats.render_json_paced(paced)
+            text = await stats.render_text_paced(paced)
+            rendering = turns.count - before - taking
+            nursery.cancel_scope.cancel()
+        assert taking >= 35 and rendering >= 70  # taken in one go, no other task would have run
+        assert json_text == stats.render_json(whole)
+        assert text.split(b"\n")[3:] == stats.render_text(whole).split(b"\n")[3:]  # past the uptime line
+        await consumer.close()
+
+
+async def test_a_topic_deleted_while_stats_are_taken_is_left_out(tmp_path, monkeypatch):
+    monkeypatch.setattr(stats, "SLICE", 0)
+    async with running_nsqd(tmp_path) as nsqd:
+        for index in range(10):
+            nsqd.declare(f"t{index}", "c")
+        turns = Turns()
+        turns.on_first_turn = lambda: nsqd.delete_topic("t9")  # after t0 was taken
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(turns.run)
+            paced = await stats.snapshot_paced(nsqd)
+            nursery.cancel_scope.cancel()
+        assert [t.topic_name for t in paced.topics] == [f"t{index}" for index in range(9)]
