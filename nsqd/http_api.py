@@ -462,7 +462,8 @@ class HTTPAPI:
 
     async def metrics(self, request: Request) -> bytes:
         """Prometheus text format of the same figures as /stats."""
-        return metrics.render(stats.snapshot(self.nsqd, include_clients=False), len(self.nsqd.clients))
+        snapshot = await stats.snapshot_paced(self.nsqd, include_clients=False)
+        return await metrics.render_paced(snapshot, len(self.nsqd.clients))
 
     # ------------------------------------------------- policies beyond nsqd
     async def topic_limits(self, request: Request) -> dict:

@@ -4,7 +4,8 @@ Names follow Prometheus conventions (``nsqd_`` prefix, ``_total`` counters,
 base units); every per-topic and per-channel figure that ``/stats`` has is
 here with ``topic`` / ``channel`` labels. Rendering is one pass over the
 snapshot with string formatting only, so 10k channels stay cheap
-(``bench/metrics_bench.py`` measures it). Topic and channel names are limited
+(``bench/metrics_bench.py`` measures it), and ``/metrics`` renders it
+paced, a metric family at a time. Topic and channel names are limited
 to ``[.a-zA-Z0-9_#-]``, so label values never need escaping.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import gc
 import resource
 import time
+from collections.abc import Iterator
 
 from . import stats
 
@@ -52,6 +54,16 @@ def snapshot_fsyncs(snapshot: stats.NSQDStats) -> int:
 
 
 def render(snapshot: stats.NSQDStats, clients: int) -> bytes:
+    return "".join(_pieces(snapshot, clients)).encode()
+
+
+async def render_paced(snapshot: stats.NSQDStats, clients: int) -> bytes:
+    """:func:`render`, letting other work run between metric families (see ``stats.Pacer``)."""
+    return await stats.paced(_pieces(snapshot, clients))
+
+
+def _pieces(snapshot: stats.NSQDStats, clients: int) -> Iterator[str]:
+    """The exposition, one piece a metric family of topics or channels."""
     out: list[str] = []
     add = out.append
     add("# HELP nsqd_info Version of the NSQ protocol and API the daemon implements.")
@@ -77,6 +89,7 @@ def render(snapshot: stats.NSQDStats, clients: int) -> bytes:
         add(f"# TYPE nsqd_topic_{name} {kind}")
         for t in snapshot.topics:
             add(f'nsqd_topic_{name}{{topic="{t.topic_name}"}} {int(getattr(t, attr))}')
+        yield _lines(out)
     for name, kind, help_text, attr in _CHANNEL:
         add(f"# HELP nsqd_channel_{name} {help_text}")
         add(f"# TYPE nsqd_channel_{name} {kind}")
@@ -85,6 +98,7 @@ def render(snapshot: stats.NSQDStats, clients: int) -> bytes:
             for c in t.channels:
                 add(f'nsqd_channel_{name}{{topic="{topic}",channel="{c.channel_name}"}} '
                     f"{int(getattr(c, attr))}")
+        yield _lines(out)
     add("# HELP nsqd_channel_e2e_processing_latency_seconds Publish-to-FIN latency quantiles.")
     add("# TYPE nsqd_channel_e2e_processing_latency_seconds gauge")
     for t in snapshot.topics:
@@ -102,5 +116,11 @@ def render(snapshot: stats.NSQDStats, clients: int) -> bytes:
     add("# TYPE python_gc_collections_total counter")
     for generation, gen_stats in enumerate(gc.get_stats()):
         add(f'python_gc_collections_total{{generation="{generation}"}} {gen_stats["collections"]}')
-    add("")
-    return "\n".join(out).encode()
+    yield _lines(out)
+
+
+def _lines(out: list[str]) -> str:
+    """The lines gathered so far, each ending with a newline; ``out`` is emptied."""
+    text = "\n".join(out) + "\n"
+    out.clear()
+    return text

@@ -447,7 +447,7 @@ def render_json(stats: NSQDStats) -> bytes:
 
 async def render_json_paced(stats: NSQDStats) -> bytes:
     """:func:`render_json`, letting other work run between topics."""
-    return await _paced(_json_pieces(stats))
+    return await paced(_json_pieces(stats))
 
 
 def _json_pieces(stats: NSQDStats) -> Iterator[str]:
@@ -468,7 +468,8 @@ def _json_pieces(stats: NSQDStats) -> Iterator[str]:
     yield "}"
 
 
-async def _paced(pieces: Iterator[str]) -> bytes:
+async def paced(pieces: Iterator[str]) -> bytes:
+    """The pieces joined and encoded, serving other work between them every :data:`SLICE`."""
     out = []
     pacer = Pacer()
     for piece in pieces:
@@ -491,7 +492,7 @@ def render_text(stats: NSQDStats) -> bytes:
 
 async def render_text_paced(stats: NSQDStats) -> bytes:
     """:func:`render_text`, letting other work run between topics."""
-    return await _paced(_text_pieces(stats))
+    return await paced(_text_pieces(stats))
 
 
 def _text_pieces(stats: NSQDStats) -> Iterator[str]:

@@ -110,8 +110,8 @@ async def statsd_loop(nsqd: Broker) -> None:
         await sock.connect((host or "127.0.0.1", port))
         while True:
             await trio.sleep(opts.statsd_interval)
-            for packet in packets(reporter.lines(stats.snapshot(nsqd, include_clients=False)),
-                                  opts.statsd_udp_packet_size):
+            snapshot = await stats.snapshot_paced(nsqd, include_clients=False)
+            for packet in packets(reporter.lines(snapshot), opts.statsd_udp_packet_size):
                 try:
                     await sock.send(packet)
                 except OSError as exc:  # nobody listening: statsd is best effort

@@ -8,7 +8,7 @@ a client polled /stats).
 
 import trio
 
-from nsqd import stats
+from nsqd import metrics, stats
 
 from .support import NSQConnection, running_nsqd, tcp_port
 
@@ -52,6 +52,27 @@ async def test_snapshot_and_rendering_let_other_tasks_run_between_topics(tmp_pat
         assert json_text == stats.render_json(whole)
         assert text.split(b"\n")[3:] == stats.render_text(whole).split(b"\n")[3:]  # past the uptime line
         await consumer.close()
+
+
+async def test_metrics_are_rendered_a_family_at_a_time(tmp_path, monkeypatch):
+    monkeypatch.setattr(stats, "SLICE", 0)
+    async with running_nsqd(tmp_path) as nsqd:
+        for index in range(5):
+            nsqd.declare(f"t{index}", "c")
+        snapshot = stats.snapshot(nsqd, include_clients=False)
+        turns = Turns()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(turns.run)
+            await trio.sleep(0.01)
+            before = turns.count
+            paced = await metrics.render_paced(snapshot, 0)
+            rendering = turns.count - before
+            nursery.cancel_scope.cancel()
+        assert rendering >= 20  # one a metric family of topics or channels
+        whole = metrics.render(snapshot, 0).split(b"\n")
+        # all but the process's own figures (resident memory and CPU move between the two renders)
+        assert [line for line in paced.split(b"\n") if not line.startswith(b"process_")] == \
+            [line for line in whole if not line.startswith(b"process_")]
 
 
 async def test_a_topic_deleted_while_stats_are_taken_is_left_out(tmp_path, monkeypatch):
