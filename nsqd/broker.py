@@ -39,7 +39,7 @@ import trio
 
 from . import diskq, message, policy, tls
 from .channel import Channel, ChannelExiting
-from .diskq import goimport
+from .diskq import goimport, naming
 from .guid import GUIDFactory
 from .names import is_valid_channel_name, is_valid_topic_name
 from .options import OVERFLOW_POLICIES, TLS_NOT_REQUIRED, Options, OptionsError
@@ -189,6 +189,10 @@ class Broker:
         self._backlog_lot = trio.lowlevel.ParkingLot()
         self._metadata_dirty = trio.Event()
         self._loading = False
+        #: the data directory as listed at start, less the queues opened since: a queue found
+        #: nowhere in it has no files (a queue deleted since took its own), so opening a new
+        #: one lists nothing; None where the listing failed (each queue then lists for itself)
+        self._listing: naming.DirectoryListing | None = None
         #: nsqlookupd's HTTP addresses, and how to ask them for a topic's channels (set by the lookup
         #: service): a new topic starts with the channels they know, as in nsqd
         self.lookupd_http_addresses: Callable[[], list[str]] = list
@@ -419,9 +423,9 @@ class Broker:
 
     def delete_channel(self, topic: Topic, name: str) -> None:
         backend = topic.channels[name].backend
-        topic.delete_channel(name)
+        topic.delete_channel(name)  # deletes the channel's queue
         if backend is not None:
-            self.close_backend(backend, delete=True)
+            self._stop_backend(backend)
         log.info("CHANNEL deleted", topic=topic.name, channel=name)
 
     def set_topic_policy(self, topic: Topic, changes: dict) -> None:
@@ -465,13 +469,21 @@ class Broker:
 
     def open_backend(self, queue_name: str) -> diskq.DiskQueue:
         """Open (or create) a queue's files, first taking over what Go nsqd left for it; raises DiskQueueError."""
+        listing = self._listing
+        stem, go_stem = naming.queue_stem(queue_name), goimport.go_stem(queue_name)
+        present = listing.names(stem) if listing is not None else None
         try:
-            if goimport.go_queue_exists(queue_name, self.data_path):
+            go_present = listing.names(go_stem) if listing is not None else None
+            if goimport.go_queue_exists(queue_name, self.data_path, go_present):
                 self._import_go_queue(queue_name)
+                present = None  # the import wrote files of ours that the listing does not have
         except OSError as exc:  # the directory cannot be listed or read (out of descriptors, I/O error)
             raise diskq.DiskQueueError(f"disk queue {queue_name!r}: cannot take over Go nsqd's files in "
                                        f"{self.data_path}: {exc}") from exc
-        backend = diskq.DiskQueue(queue_name, self.data_path, **self._disk_queue_options())
+        backend = diskq.DiskQueue(queue_name, self.data_path, present_files=present, **self._disk_queue_options())
+        if listing is not None:  # opened: from now on its files are its own business
+            listing.forget(stem)
+            listing.forget(go_stem)
         if self._queues_nursery is not None:
             self._queues_nursery.start_soon(self._run_backend, backend)
             backend.run_scheduled()
@@ -493,13 +505,17 @@ class Broker:
                 self._backend_scopes.pop(id(backend), None)
 
     def close_backend(self, backend: diskq.DiskQueue, delete: bool = False) -> None:
-        scope = self._backend_scopes.pop(id(backend), None)
-        if scope is not None:
-            scope.cancel()
+        self._stop_backend(backend)
         if delete:
             backend.delete()
         else:
             backend.close()
+
+    def _stop_backend(self, backend: diskq.DiskQueue) -> None:
+        """Cancel the queue's run() task (its commits and checkpoints)."""
+        scope = self._backend_scopes.pop(id(backend), None)
+        if scope is not None:
+            scope.cancel()
 
     def _import_go_queue(self, queue_name: str) -> None:
         """Take over the backlog a Go nsqd left for this queue, then remove its files.
@@ -577,6 +593,10 @@ class Broker:
     def load_metadata(self) -> None:
         """Create the topics and channels of ``nsqd.dat``; one that is not what we (or Go nsqd)
         write stops start-up with a :class:`MetadataError` saying what is wrong and what to do."""
+        try:
+            self._listing = naming.DirectoryListing(self.data_path, (naming.QUEUE_MARKER, goimport.GO_MARKER))
+        except OSError:  # each queue lists the directory itself, and says what failed
+            self._listing = None
         path = self.data_path / METADATA_FILE
         if not path.exists():
             return

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import structlog
 
+from .naming import starting_with
+
 logger = structlog.get_logger("nsqd.diskq")
 
 GO_MIN_MSG_SIZE = 26
@@ -45,11 +47,21 @@ class GoQueueMetadata:
     write_position: int
 
 
+#: what go-diskqueue puts between a queue's name and the rest of its file names
+GO_MARKER = ".diskqueue."
+
+
+def go_stem(name: str) -> str:
+    """What every file name of Go's queue called ``name`` starts with."""
+    return name + GO_MARKER
+
+
 class _GoFiles:
-    def __init__(self, name: str, data_path: str | os.PathLike[str]) -> None:
+    def __init__(self, name: str, data_path: str | os.PathLike[str], present: list[str] | None = None) -> None:
         self.directory = Path(data_path)
-        self.metadata_path = self.directory / f"{name}.diskqueue.meta.dat"
-        self._stem = f"{name}.diskqueue."
+        self._stem = go_stem(name)
+        self.metadata_path = self.directory / f"{self._stem}meta.dat"
+        self._present = present
         self._segment = re.compile(re.escape(self._stem) + r"(\d{6,})\.dat")
         self._leftover = re.compile(
             re.escape(self._stem) + r"(\d{6,}\.dat\.bad|meta\.dat\.\d+\.tmp)"
@@ -66,16 +78,26 @@ class _GoFiles:
         return [m.string for m in self._matches(self._leftover)]
 
     def _matches(self, pattern: re.Pattern[str]) -> list[re.Match[str]]:
-        try:
-            names = os.listdir(self.directory)
-        except FileNotFoundError:
-            return []
+        names = self._present
+        if names is None:
+            try:
+                names = starting_with(self.directory, self._stem)
+            except FileNotFoundError:
+                return []
         return [m for m in map(pattern.fullmatch, names) if m]
 
 
-def go_queue_exists(name: str, data_path: str | os.PathLike[str]) -> bool:
-    """Whether Go nsqd left a queue called ``name`` in ``data_path``."""
-    files = _GoFiles(name, data_path)
+def go_queue_exists(name: str, data_path: str | os.PathLike[str], present: list[str] | None = None) -> bool:
+    """Whether Go nsqd left a queue called ``name`` in ``data_path``.
+
+    ``present``: the names of a listing just taken that start with
+    :func:`go_stem` (see ``DirectoryListing``), instead of a new listing.
+    """
+    if present is not None and not present:
+        return False
+    files = _GoFiles(name, data_path, present)
+    if present is not None:
+        return files.metadata_path.name in present or bool(files.segments())
     return files.metadata_path.exists() or bool(files.segments())
 
 

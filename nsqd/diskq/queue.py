@@ -94,6 +94,7 @@ class DiskQueue:
         max_msg_size: int = 1024 * 1024 + 64,
         sync_every: int = 2500,
         sync_timeout: float = 2.0,
+        present_files: list[str] | None = None,
     ) -> None:
         if not 0 <= min_msg_size <= max_msg_size <= MAX_RECORD_LENGTH:
             raise ValueError(
@@ -110,7 +111,7 @@ class DiskQueue:
         self._max_size = max_msg_size
         self._sync_every = sync_every
         self._sync_timeout = sync_timeout
-        self._files = QueueFiles(data_path, name)
+        self._files = QueueFiles(data_path, name, present_files)
         self._log = logger.bind(queue=name)
         try:
             self._lock_fd = acquire_queue_lock(self._files.lock_path, name)
