@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from nsqd.broker import SubscribeError
-from nsqd.client_v2 import STATE_SUBSCRIBED
+from nsqd.client_v2 import STATE_SUBSCRIBED, PubCounts
 from nsqd.subscription import Budget
 from nsqd.version import NSQD_VERSION
 
@@ -94,7 +94,7 @@ class GatewayConnection:
         self.user_agent = "amqp"
         self.state = STATE_SUBSCRIBED
         self.connect_ts = nsqd.now_ns() // 1_000_000_000
-        self.pub_counts: dict[str, int] = {}
+        self.pub_counts = PubCounts(nsqd.topics)
         self.authed = False
         self.auth_identity = self.auth_identity_url = ""
         nsqd.add_client(self)

@@ -36,6 +36,7 @@ from .sections import message_body
 
 if TYPE_CHECKING:
     from nsqd.broker import Broker
+    from nsqd.client_v2 import PubCounts
 
     from .events import IncomingDelivery
     from .link import Link
@@ -70,7 +71,7 @@ class Pending:
 
 
 class LinkPublisher:
-    def __init__(self, link: Link, topic_name: str, nsqd: Broker, pub_counts: dict[str, int],
+    def __init__(self, link: Link, topic_name: str, nsqd: Broker, pub_counts: PubCounts,
                  wake: Callable[[], None]) -> None:
         self.link = link
         self._wake = wake
@@ -164,7 +165,7 @@ class LinkPublisher:
 
     def _count(self, count: int) -> None:
         if count:
-            self.pub_counts[self.topic_name] = self.pub_counts.get(self.topic_name, 0) + count
+            self.pub_counts.add(self.topic_name, count)
 
     def _answer(self, accepted: list[int], failures: list[tuple[int, bool, Error]]) -> None:
         link = self.link
