@@ -261,7 +261,9 @@ class GatewayConnection:
         consumer = self.consumers.pop(link, None)
         if consumer is not None:
             consumer.sub.close()
-        self.publishers.pop(link, None)
+        publisher = self.publishers.pop(link, None)
+        if publisher is not None:
+            publisher.close()
 
     def _wake(self) -> None:
         self.on_wake()
@@ -303,10 +305,10 @@ class GatewayConnection:
         self.engine.close(Error(RESOURCE_LIMIT_EXCEEDED, "idle timeout: no frame from the client in time"))
 
     def connection_lost(self) -> None:
-        """The connection is over: consumers leave their channels (requeueing what they had)."""
-        for link in list(self.consumers):
+        """The connection is over: consumers leave their channels (requeueing what they had), and
+        publishers stop waiting for room in full topics."""
+        for link in [*self.consumers, *self.publishers]:
             self._forget(link)
-        self.publishers.clear()
         self.nsqd.remove_client(self)
 
 

@@ -96,9 +96,17 @@ class LinkPublisher:
             credit = PUBLISH_CREDIT if room is None or room <= 0 else min(PUBLISH_CREDIT, room)
         self.starved = credit <= link.credit
         if self.starved:
-            self.nsqd.when_room(self.topic_name, self._wake)
+            self.nsqd.when_room(self.topic_name, self.room_made)
         else:
             link.flow(credit)
+
+    def room_made(self) -> None:
+        """The topic may take publishes again (what it calls, once, after :meth:`grant` found it full)."""
+        self._wake()
+
+    def close(self) -> None:
+        """The link went: the topic forgets it, which would else keep the connection until room is made."""
+        self.nsqd.forget_room_waiter(self.topic_name, self.room_made)
 
     def publish(self, deliveries: list[IncomingDelivery]) -> Pending | None:
         """Publish a run of deliveries as one batch; answer each unsettled one.

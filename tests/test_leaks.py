@@ -5,12 +5,18 @@ Found by the soak (``bench/soak.py``); each test fails on the code before its fi
 
 from __future__ import annotations
 
+import gc
+
 import trio
 
+from amqp_gateway import performatives as p
+from amqp_gateway.gateway import GatewayConnection
+from amqp_gateway.publisher import POLL_INTERVAL
 from nsqd.client_v2 import PUB_COUNTS_PRUNE
 
 from .conftest import HTTPClient
 from .support import Daemon, NSQConnection, free_port
+from .test_amqp_raw import Client, eventually, gateway
 
 
 async def test_a_long_lived_publisher_does_not_keep_the_names_of_the_topics_that_went(tmp_path):
@@ -39,3 +45,29 @@ async def test_a_long_lived_publisher_does_not_keep_the_names_of_the_topics_that
     finally:
         daemon.proc.kill()
         await trio.to_thread.run_sync(daemon.proc.wait)
+
+
+async def test_a_full_topic_keeps_neither_gone_publishers_nor_one_waiter_per_wake_up(tmp_path):
+    """AMQP senders attached to a topic at its limit wait for room; a client that gives up
+    and goes was kept alive by the topic (about 6.5 KiB each) until room was made, and a
+    sender that waits added a waiter each time its connection woke (for heartbeats)."""
+    async with gateway(tmp_path) as nsqd:
+        nsqd.declare("full")
+        topic = nsqd.topics["full"]
+        nsqd.set_topic_policy(topic, {"max_messages": 1, "overflow": "reject"})
+        nsqd.publish("full", [b"fills it"])
+        for _ in range(10):
+            client = await Client.connect(nsqd.amqp_port)
+            sender = await client.attach(p.SENDER, "/topics/full")
+            assert sender.credit == 0
+            await client.aclose()
+        await eventually(lambda: not any(isinstance(c, GatewayConnection) for c in nsqd.clients.values()))
+        gc.collect()
+        assert not [o for o in gc.get_objects() if isinstance(o, GatewayConnection)]
+
+        client = await Client.connect(nsqd.amqp_port, idle_timeout=1.0)  # our heartbeats: every 0.5 s
+        waiting = await client.attach(p.SENDER, "/topics/full")
+        await client.for_a_while(2.5)
+        assert len(topic._room_waiters) == 1
+        topic.empty()  # room: the sender that waited is woken and gets credit
+        await client.until(lambda: waiting.credit > 0, timeout=POLL_INTERVAL / 2)  # woken, not polled
