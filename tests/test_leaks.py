@@ -12,10 +12,12 @@ import trio
 from amqp_gateway import performatives as p
 from amqp_gateway.gateway import GatewayConnection
 from amqp_gateway.publisher import POLL_INTERVAL
+from nsqd import stats
 from nsqd.client_v2 import PUB_COUNTS_PRUNE
+from nsqd.statsd import StatsdReporter
 
 from .conftest import HTTPClient
-from .support import Daemon, NSQConnection, free_port
+from .support import Daemon, NSQConnection, free_port, running_nsqd
 from .test_amqp_raw import Client, eventually, gateway
 
 
@@ -71,3 +73,20 @@ async def test_a_full_topic_keeps_neither_gone_publishers_nor_one_waiter_per_wak
         assert len(topic._room_waiters) == 1
         topic.empty()  # room: the sender that waited is woken and gets credit
         await client.until(lambda: waiting.credit > 0, timeout=POLL_INTERVAL / 2)  # woken, not polled
+
+
+async def test_statsd_keeps_the_counters_of_the_last_snapshot_only(tmp_path):
+    """Counters are sent as differences: the totals of channels that went (an nsq_tail
+    session's ``#ephemeral`` channel) were kept for good, about 0.7 KiB each."""
+    async with running_nsqd(tmp_path / "nsqd") as nsqd:
+        reporter = StatsdReporter("nsq.", exclude_ephemeral=False, mem_stats=False)
+        nsqd.declare("t")
+        for i in range(50):
+            nsqd.declare("t", f"tail{i}#ephemeral")
+            nsqd.publish("t", [b"m"])
+            lines = reporter.lines(stats.snapshot(nsqd, include_clients=False))
+            assert f"nsq.topic.t.channel.tail{i}#ephemeral.message_count:1|c" in lines
+            nsqd.delete_channel(nsqd.topics["t"], f"tail{i}#ephemeral")
+        nsqd.publish("t", [b"m"])
+        assert "nsq.topic.t.message_count:1|c" in reporter.lines(stats.snapshot(nsqd, include_clients=False))
+        assert all(".channel." not in name for name in reporter._last)
