@@ -274,12 +274,11 @@ class Soak:
 
     def amqp(self, i: int) -> None:
         from proton import Delivery, Message
-        from proton.utils import BlockingConnection
 
         ephemeral = i % 4 == 3
         topic = f"soak_ae{i}#ephemeral" if ephemeral else AMQP_TOPIC
         channel = "c#ephemeral" if ephemeral else "a"
-        conn = BlockingConnection(f"{self.amqp_address[0]}:{self.amqp_address[1]}", timeout=30)
+        conn, sock = _amqp_connect(self.amqp_address)
         receiver = conn.create_receiver(f"/topics/{topic}/channels/{channel}", credit=5)
         sender = conn.create_sender(f"/topics/{topic}")
         for n in range(6):
@@ -299,7 +298,6 @@ class Soak:
         elif end == 1:
             conn.close()
         else:
-            sock = _proton_socket(self.amqp_address[1])
             rst(sock)  # the client dies: the daemon sees a reset
         with socket.create_connection(self.amqp_address, timeout=30) as sock:  # a header, then a frame cut off
             sock.sendall(b"AMQP\x00\x01\x00\x00" + struct.pack(">IBBH", 512, 2, 0, 0) + b"\x00\x53")
@@ -339,14 +337,12 @@ class Soak:
 
     def amqp_full(self, i: int) -> None:
         """A sender attached to a full topic waits for credit; the client gives up and goes."""
-        from proton.utils import BlockingConnection
-
-        conn = BlockingConnection(f"{self.amqp_address[0]}:{self.amqp_address[1]}", timeout=30)
+        conn, sock = _amqp_connect(self.amqp_address)
         conn.create_sender(f"/topics/{FULL_TOPIC}")
         if i % 2:
             conn.close()
         else:
-            rst(_proton_socket(self.amqp_address[1]))
+            rst(sock)
 
     # -------------------------------------------------------------- round
     def round(self) -> int:
@@ -367,12 +363,19 @@ class Soak:
         return done
 
 
-def _proton_socket(port: int) -> socket.socket:
-    """The socket of the newest proton connection to ``port`` (proton keeps Python sockets)."""
+def _amqp_connect(address: tuple[str, int]):
+    """A proton BlockingConnection and its socket (proton keeps Python sockets), to reset it."""
+    from proton.utils import BlockingConnection
+
+    before = _sockets_to(address[1])
+    conn = BlockingConnection(f"{address[0]}:{address[1]}", timeout=30)
+    (sock,) = [s for s in _sockets_to(address[1]) if s not in before]
+    return conn, sock
+
+
+def _sockets_to(port: int) -> list[socket.socket]:
     import gc
-    socks = [o for o in gc.get_objects() if isinstance(o, socket.socket) and o.fileno() >= 0
-             and _peer_port(o) == port]
-    return max(socks, key=lambda s: s.fileno())
+    return [o for o in gc.get_objects() if isinstance(o, socket.socket) and o.fileno() >= 0 and _peer_port(o) == port]
 
 
 def _peer_port(sock: socket.socket) -> int | None:
