@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from nsqd.broker import SubscribeError
-from nsqd.client_v2 import STATE_SUBSCRIBED
+from nsqd.client_v2 import STATE_SUBSCRIBED, PubCounts
 from nsqd.subscription import Budget
 from nsqd.version import NSQD_VERSION
 
@@ -94,7 +94,7 @@ class GatewayConnection:
         self.user_agent = "amqp"
         self.state = STATE_SUBSCRIBED
         self.connect_ts = nsqd.now_ns() // 1_000_000_000
-        self.pub_counts: dict[str, int] = {}
+        self.pub_counts = PubCounts(nsqd.topics)
         self.authed = False
         self.auth_identity = self.auth_identity_url = ""
         nsqd.add_client(self)
@@ -261,7 +261,9 @@ class GatewayConnection:
         consumer = self.consumers.pop(link, None)
         if consumer is not None:
             consumer.sub.close()
-        self.publishers.pop(link, None)
+        publisher = self.publishers.pop(link, None)
+        if publisher is not None:
+            publisher.close()
 
     def _wake(self) -> None:
         self.on_wake()
@@ -303,10 +305,10 @@ class GatewayConnection:
         self.engine.close(Error(RESOURCE_LIMIT_EXCEEDED, "idle timeout: no frame from the client in time"))
 
     def connection_lost(self) -> None:
-        """The connection is over: consumers leave their channels (requeueing what they had)."""
-        for link in list(self.consumers):
+        """The connection is over: consumers leave their channels (requeueing what they had), and
+        publishers stop waiting for room in full topics."""
+        for link in [*self.consumers, *self.publishers]:
             self._forget(link)
-        self.publishers.clear()
         self.nsqd.remove_client(self)
 
 

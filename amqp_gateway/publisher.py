@@ -36,6 +36,7 @@ from .sections import message_body
 
 if TYPE_CHECKING:
     from nsqd.broker import Broker
+    from nsqd.client_v2 import PubCounts
 
     from .events import IncomingDelivery
     from .link import Link
@@ -70,7 +71,7 @@ class Pending:
 
 
 class LinkPublisher:
-    def __init__(self, link: Link, topic_name: str, nsqd: Broker, pub_counts: dict[str, int],
+    def __init__(self, link: Link, topic_name: str, nsqd: Broker, pub_counts: PubCounts,
                  wake: Callable[[], None]) -> None:
         self.link = link
         self._wake = wake
@@ -95,9 +96,17 @@ class LinkPublisher:
             credit = PUBLISH_CREDIT if room is None or room <= 0 else min(PUBLISH_CREDIT, room)
         self.starved = credit <= link.credit
         if self.starved:
-            self.nsqd.when_room(self.topic_name, self._wake)
+            self.nsqd.when_room(self.topic_name, self.room_made)
         else:
             link.flow(credit)
+
+    def room_made(self) -> None:
+        """The topic may take publishes again (what it calls, once, after :meth:`grant` found it full)."""
+        self._wake()
+
+    def close(self) -> None:
+        """The link went: the topic forgets it, which would else keep the connection until room is made."""
+        self.nsqd.forget_room_waiter(self.topic_name, self.room_made)
 
     def publish(self, deliveries: list[IncomingDelivery]) -> Pending | None:
         """Publish a run of deliveries as one batch; answer each unsettled one.
@@ -164,7 +173,7 @@ class LinkPublisher:
 
     def _count(self, count: int) -> None:
         if count:
-            self.pub_counts[self.topic_name] = self.pub_counts.get(self.topic_name, 0) + count
+            self.pub_counts.add(self.topic_name, count)
 
     def _answer(self, accepted: list[int], failures: list[tuple[int, bool, Error]]) -> None:
         link = self.link

@@ -124,10 +124,12 @@ class Conn:
     and each write (a whole MPUB, all the FINs of one read) is compressed as one
     piece. ``send(data)`` and ``recv()`` (plain bytes of one socket read, maybe
     empty while a compressed chunk or TLS record is incomplete) hide the layers;
-    on a plain connection they are the socket's own calls.
+    on a plain connection they are the socket's own calls. ``identify`` adds
+    fields to the IDENTIFY JSON (``msg_timeout``, ``heartbeat_interval``, ``leases``).
     """
 
-    def __init__(self, address: tuple[str, int], client_id: str, features: dict | None = None) -> None:
+    def __init__(self, address: tuple[str, int], client_id: str, features: dict | None = None,
+                 identify: dict | None = None) -> None:
         self.sock = socket.create_connection(address, timeout=30)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.buf = b""
@@ -144,6 +146,7 @@ class Conn:
         if negotiate:
             ident.update(tls_v1=bool(f.get("tls")), snappy=bool(f.get("snappy")),
                          deflate=bool(f.get("deflate")), deflate_level=f.get("deflate") or 6)
+        ident.update(identify or {})
         self.sock.sendall(MAGIC + command("IDENTIFY", body=json.dumps(ident).encode()))
         if not negotiate:
             self.expect_ok("IDENTIFY")
@@ -525,7 +528,8 @@ def wait_for_port(address, proc, log_path, timeout=20.0) -> None:
 class Daemon:
     """``python -m nsqd`` on free loopback ports with a fresh data dir; SIGTERM on stop."""
 
-    def __init__(self, extra_args: list[str], keep: bool, tls: bool = False) -> None:
+    def __init__(self, extra_args: list[str], keep: bool, tls: bool = False,
+                 entry: tuple[str, ...] = ("-m", "nsqd")) -> None:
         self.keep = keep
         self.tmp = Path(tempfile.mkdtemp(prefix="nsq_bench."))
         self.address = ("127.0.0.1", free_port())
@@ -534,7 +538,7 @@ class Daemon:
         self.ca_file = ""
         if tls:
             extra_args = [*self._certificate(), *extra_args]
-        cmd = [sys.executable, "-m", "nsqd", "--tcp-address", f"127.0.0.1:{self.address[1]}",
+        cmd = [sys.executable, *entry, "--tcp-address", f"127.0.0.1:{self.address[1]}",
                "--http-address", f"127.0.0.1:{self.http_address[1]}", "--data-path", str(self.tmp / "data"),
                "--https-address=", "--amqp-address=", *extra_args]
         env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -313,6 +313,12 @@ class Broker:
         if topic is not None:
             topic.when_room(notify)
 
+    def forget_room_waiter(self, topic_name: str, notify: Callable[[], None]) -> None:
+        """Take back a :meth:`when_room` (its publisher went; else the topic keeps it until room is made)."""
+        topic = self.topics.get(topic_name)
+        if topic is not None:
+            topic.forget_room_waiter(notify)
+
     def publish_room(self, topic_name: str) -> tuple[bool, int | None]:
         """Whether a topic takes publishes now, and how many more its limits allow (None: no limit)."""
         if self.draining:

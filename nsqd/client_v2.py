@@ -10,6 +10,7 @@ code).
 
 from __future__ import annotations
 
+from collections.abc import Container
 from typing import TYPE_CHECKING, Callable
 
 from . import message
@@ -36,10 +37,40 @@ MIN_REFILL_FRACTION = 8
 #: this, its socket buffers and its output buffer in flight, not its whole RDY of large
 #: messages (as nsqd's pump, which blocks on the socket; docs/limits.md)
 FILL_BYTES = 1024 * 1024
+#: a connection's publish counts are looked over once it published to this many topics (see PubCounts)
+PUB_COUNTS_PRUNE = 64
+
+
+class PubCounts(dict):
+    """Messages one connection published, by topic name (``pub_counts`` in /stats).
+
+    Go nsqd keeps every name a connection ever published to, so a long-lived
+    connection that publishes to many short-lived topics (replies to each
+    requester's ``#ephemeral`` topic) grows for good. Here, once the table has
+    doubled since it was last looked over, the names of topics that no longer
+    exist leave it: it holds at most twice the live topics the connection
+    published to, or ``PUB_COUNTS_PRUNE`` names.
+    """
+
+    __slots__ = ("_topics", "_prune_at")
+
+    def __init__(self, topics: Container[str]) -> None:
+        super().__init__()
+        self._topics = topics
+        self._prune_at = PUB_COUNTS_PRUNE
+
+    def add(self, topic: str, count: int) -> None:
+        self[topic] = self.get(topic, 0) + count
+        if len(self) >= self._prune_at:
+            topics = self._topics
+            for name in [name for name in self if name not in topics]:
+                del self[name]
+            self._prune_at = max(2 * len(self), PUB_COUNTS_PRUNE)
 
 
 class ClientV2:
-    def __init__(self, client_id: int, remote_address: str, options: Options, now_ns: int) -> None:
+    def __init__(self, client_id: int, remote_address: str, options: Options, now_ns: int,
+                 topics: Container[str]) -> None:
         self.id = client_id
         self.remote_address = remote_address
         self.connect_ts = now_ns // 1_000_000_000
@@ -68,7 +99,8 @@ class ClientV2:
         self.sub: Subscription | None = None
         #: the lease extension: negotiated in IDENTIFY, then LEASE <name> tags deliveries
         self.leases_enabled = False
-        self.pub_counts: dict[str, int] = {}
+        #: ``topics``: the names of the daemon's topics (its live dict)
+        self.pub_counts = PubCounts(topics)
         # output: frames waiting for the connection's next write
         self.out: list[bytes] = []
         #: a frame other than a message is waiting (a response, an error, a heartbeat): write at once

@@ -443,8 +443,7 @@ class ProtocolV2:
     def answer(self, unconfirmed: Unconfirmed, error: str | None) -> bytes:
         """The frame for a held publish once its receipt is settled (``error``: why it failed)."""
         if error is None:
-            counts = self.client.pub_counts
-            counts[unconfirmed.topic] = counts.get(unconfirmed.topic, 0) + unconfirmed.receipt.count
+            self.client.pub_counts.add(unconfirmed.topic, unconfirmed.receipt.count)
             return _OK
         cmd = unconfirmed.command
         log.warning("publish not confirmed", client=self.client.remote_address, error=error)
@@ -758,8 +757,7 @@ class ProtocolV2:
             raise ClientError(f"E_{cmd}_FAILED", f"{cmd} failed {exc.reason}", fatal=False) from None
         if not receipt.confirmed:
             return Unconfirmed(receipt, cmd, topic_name)
-        counts = self.client.pub_counts
-        counts[topic_name] = counts.get(topic_name, 0) + receipt.count
+        self.client.pub_counts.add(topic_name, receipt.count)
         return _OK
 
 

@@ -35,17 +35,25 @@ def metric_prefix(prefix: str, broadcast_address: str, http_port: int) -> str:
 
 
 class StatsdReporter:
-    """Turns successive snapshots into statsd lines (pure; no I/O)."""
+    """Turns successive snapshots into statsd lines (pure; no I/O).
+
+    Counters are sent as the change since the previous snapshot, as Go's
+    statsdLoop diffs against its last one: only the previous snapshot's
+    totals are kept, so the counters of topics and channels that went (an
+    ``#ephemeral`` channel per nsq_tail session) are not kept for good.
+    """
 
     def __init__(self, prefix: str, exclude_ephemeral: bool, mem_stats: bool) -> None:
         self.prefix = prefix
         self.exclude_ephemeral = exclude_ephemeral
         self.mem_stats = mem_stats
+        #: the counters' totals in the previous snapshot, and in the one being turned into lines
         self._last: dict[str, int] = {}
+        self._totals: dict[str, int] = {}
 
     def _counter(self, out: list[str], name: str, total: int) -> None:
         diff = total - self._last.get(name, 0)
-        self._last[name] = total
+        self._totals[name] = total
         out.append(f"{self.prefix}{name}:{diff}|c")
 
     def _gauge(self, out: list[str], name: str, value: int) -> None:
@@ -80,6 +88,7 @@ class StatsdReporter:
         if self.mem_stats:
             self._gauge(out, "mem.heap_objects", len(gc.get_objects()))
             self._counter(out, "mem.gc_runs", sum(s["collections"] for s in gc.get_stats()))
+        self._last, self._totals = self._totals, {}
         return out
 
 

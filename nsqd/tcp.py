@@ -174,7 +174,7 @@ async def _serve(nsqd: Broker, stream: trio.SocketStream, remote: str, hub: Read
         await stream.send_all(_BAD_PROTOCOL)
         await hang_up(stream)
         return
-    client = ClientV2(nsqd.new_client_id(), remote, nsqd.options, nsqd.now_ns())
+    client = ClientV2(nsqd.new_client_id(), remote, nsqd.options, nsqd.now_ns(), nsqd.topics)
     connection = Connection(nsqd, stream, client, hub)
     nsqd.add_client(client)
     try:

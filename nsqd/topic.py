@@ -93,8 +93,9 @@ class Topic:
         self._retry: list[tuple[bytes, int]] = []
         #: the last backlog step could not be written (a full disk): the mover waits before the next
         self.stalled = False
-        #: called once when room may have been made (publishers starved by a limit wait on it)
-        self._room_waiters: list[Callable[[], None]] = []
+        #: called once when room may have been made (publishers starved by a limit wait on it); a
+        #: dict, so a publisher that asks again while the topic stays full is in it once
+        self._room_waiters: dict[Callable[[], None], None] = {}
         self.message_count = 0
         self.message_bytes = 0
         self.dropped_count = 0
@@ -165,12 +166,16 @@ class Topic:
 
     def when_room(self, notify: Callable[[], None]) -> None:
         """Call ``notify`` once, as soon as room may have been made (messages left a queue, a limit changed)."""
-        self._room_waiters.append(notify)
+        self._room_waiters[notify] = None
         for channel in self.channels.values():
             channel.on_room = self._room_made
 
+    def forget_room_waiter(self, notify: Callable[[], None]) -> None:
+        """Take back a :meth:`when_room` whose publisher went: the topic may stay full for long."""
+        self._room_waiters.pop(notify, None)
+
     def _room_made(self) -> None:
-        waiters, self._room_waiters = self._room_waiters, []
+        waiters, self._room_waiters = self._room_waiters, {}
         for channel in self.channels.values():
             channel.on_room = None
         for notify in waiters:

@@ -83,7 +83,7 @@ async def connection_on_socketpair(nsqd, nursery, hub):
     theirs.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     ours.setblocking(False)
     stream = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
-    client = ClientV2(nsqd.new_client_id(), "socketpair", nsqd.options, nsqd.now_ns())
+    client = ClientV2(nsqd.new_client_id(), "socketpair", nsqd.options, nsqd.now_ns(), nsqd.topics)
     connection = Connection(nsqd, stream, client, hub)
     peer = NSQConnection(trio.SocketStream(trio.socket.from_stdlib_socket(theirs)))
     scope = trio.CancelScope()

@@ -139,7 +139,7 @@ async def test_a_single_pub_is_staged_directly_only_when_the_parser_would_stage_
     async with running_nsqd(tmp_path, max_msg_size=1024) as nsqd:
         def protocol():
             batch = _StagingOnly()
-            client = ClientV2(nsqd.new_client_id(), "unit", nsqd.options, nsqd.now_ns())
+            client = ClientV2(nsqd.new_client_id(), "unit", nsqd.options, nsqd.now_ns(), nsqd.topics)
             return ProtocolV2(nsqd, client, batch), batch
 
         fast, fast_batch = protocol()
@@ -163,7 +163,7 @@ async def test_a_single_pub_with_auth_or_tls_to_check_goes_the_general_way(tmp_p
     async with running_nsqd(tmp_path) as nsqd:
         for check in ("auth_enabled", "tls_required"):
             batch = _StagingOnly()
-            protocol = ProtocolV2(nsqd, ClientV2(nsqd.new_client_id(), "unit", nsqd.options, nsqd.now_ns()), batch)
+            protocol = ProtocolV2(nsqd, ClientV2(nsqd.new_client_id(), "unit", nsqd.options, nsqd.now_ns(), nsqd.topics), batch)
             setattr(protocol, check, True)  # as --auth-http-address or --tls-required set them
             data = pub("t", b"x")
             assert not protocol.stage_single_pub(bytearray(data), len(data))
