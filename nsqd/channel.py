@@ -224,7 +224,10 @@ class Channel:
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
-        """Forget a subscription; its unfinished messages go back to the head of the queue."""
+        """Forget a subscription; its unfinished messages go back to the head of the queue.
+
+        They count in ``timeout_count``: nsqd leaves them in flight until they time out.
+        """
         if self.subscriptions.pop(sub.id, None) is None:
             return
         self._hungry.pop(sub, None)
@@ -233,7 +236,7 @@ class Channel:
         sub.lease = None
         items = sub.in_flight.drain()
         if items and not self.exiting:
-            self.requeue_count += len(items)
+            self.timeout_count += len(items)
             self._give_back(items)
         self.settled()
         if not self.subscriptions and self.ephemeral and self._on_last_consumer_gone is not None:
