@@ -148,10 +148,12 @@ class Channel:
         #: bytes of the frames in memory, kept with ``_mem_count`` by the same code
         self._mem_bytes = 0
         self._deferred: list[tuple[int, int, bytes, int | None]] = []
+        #: deferred records on disk the queue scan has not found due yet: they count as deferred, not
+        #: as depth, until it does (as nsqd moves a due message to the queue), when hungry consumers
+        #: are woken to read them. Their due times as a count per time and a heap of those times
         self._deferred_on_disk = 0
-        #: the earliest due time of the deferred records written to disk since the queue scan last
-        #: looked (None: none): when it comes, hungry consumers are woken to read them
-        self._disk_due_ns: int | None = None
+        self._disk_due: dict[int, int] = {}
+        self._disk_due_times: list[int] = []
         self._seq = count()
         self._hungry: dict[Subscription, None] = {}
         self._disk_turn = False
@@ -222,7 +224,10 @@ class Channel:
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
-        """Forget a subscription; its unfinished messages go back to the head of the queue."""
+        """Forget a subscription; its unfinished messages go back to the head of the queue.
+
+        They count in ``timeout_count``: nsqd leaves them in flight until they time out.
+        """
         if self.subscriptions.pop(sub.id, None) is None:
             return
         self._hungry.pop(sub, None)
@@ -231,7 +236,7 @@ class Channel:
         sub.lease = None
         items = sub.in_flight.drain()
         if items and not self.exiting:
-            self.requeue_count += len(items)
+            self.timeout_count += len(items)
             self._give_back(items)
         self.settled()
         if not self.subscriptions and self.ephemeral and self._on_last_consumer_gone is not None:
@@ -313,9 +318,8 @@ class Channel:
         keep = put.keep
         if put.due_ns:
             if self.backend is not None:
-                self._deferred_on_disk += n - keep
                 if keep < n:
-                    self._due_on_disk(put.due_ns)
+                    self._deferred_to_disk(put.due_ns, n - keep)
             elif keep < n:
                 self._drop_deferred(n - keep)
             positions = put.positions
@@ -570,7 +574,7 @@ class Channel:
             log.error("undecodable message on disk", channel=self.name, topic=self.topic_name, error=str(exc))
             return None
         if due_ns:
-            self._deferred_on_disk = max(self._deferred_on_disk - 1, 0)
+            self._deferred_read(due_ns)
         note = self._notes.at(pos) if self._notes else None
         if note:
             frame, due_ns, failed = self._apply_note(frame, pos, note, due_ns, failed)
@@ -719,14 +723,38 @@ class Channel:
             except DiskQueueError as exc:  # a full disk: the heap goes past its bound rather than lose it
                 log.error("deferred message kept in memory", channel=self.name, error=str(exc))
             else:
-                self._deferred_on_disk += 1
-                self._due_on_disk(due_ns)
+                self._deferred_to_disk(due_ns)
                 return
         heapq.heappush(self._deferred, (due_ns, next(self._seq), frame, pos))
 
-    def _due_on_disk(self, due_ns: int) -> None:
-        if self._disk_due_ns is None or due_ns < self._disk_due_ns:
-            self._disk_due_ns = due_ns
+    def _deferred_to_disk(self, due_ns: int, count: int = 1) -> None:
+        due = self._disk_due
+        if due_ns not in due:
+            heapq.heappush(self._disk_due_times, due_ns)
+        due[due_ns] = due.get(due_ns, 0) + count
+        self._deferred_on_disk += count
+
+    def _deferred_read(self, due_ns: int) -> None:
+        """A deferred record was read from disk: not on disk any more, unless the scan found it due already.
+
+        (A record written before a restart was never counted: it counts as depth until read.)
+        """
+        left = self._disk_due.get(due_ns)
+        if left:
+            self._deferred_on_disk -= 1
+            if left > 1:
+                self._disk_due[due_ns] = left - 1
+            else:
+                del self._disk_due[due_ns]
+
+    def _disk_deferred_due(self, now_ns: int) -> int:
+        """How many deferred records on disk are due by ``now_ns``; from now on they count as depth."""
+        times = self._disk_due_times
+        due = 0
+        while times and times[0] <= now_ns:
+            due += self._disk_due.pop(heapq.heappop(times), 0)
+        self._deferred_on_disk -= due
+        return due
 
     # ------------------------------------------------------------ queue scan
     def process_in_flight(self, now_ns: int) -> bool:
@@ -759,15 +787,15 @@ class Channel:
         """Move deferred messages that are due to the queue; True if there was any.
 
         Those on disk stay there, in the queue's order, until a take reads
-        them: once the first of them is due, hungry consumers are woken to.
+        them: once they are due they count as depth, and hungry consumers
+        are woken to read them.
         """
-        disk_due = self._disk_due_ns is not None and self._disk_due_ns <= now_ns
+        disk_due = self._disk_deferred_due(now_ns)
         if disk_due:
-            self._disk_due_ns = None
-            self._wake(max(self._deferred_on_disk, 1))
+            self._wake(disk_due)
         deferred = self._deferred
         if not deferred or deferred[0][0] > now_ns:
-            return disk_due
+            return bool(disk_due)
         due: list[Item] = []
         while deferred and deferred[0][0] <= now_ns:
             _, _, frame, pos = heapq.heappop(deferred)
@@ -804,7 +832,8 @@ class Channel:
         self._mem_count = self._mem_bytes = 0
         self._deferred.clear()
         self._deferred_on_disk = 0
-        self._disk_due_ns = None
+        self._disk_due.clear()
+        self._disk_due_times.clear()
         for sub in self.subscriptions.values():
             sub.in_flight.clear()
         self.leases.clear()

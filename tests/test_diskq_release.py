@@ -102,6 +102,23 @@ def test_while_reading_kept_records_a_checkpoint_keeps_the_unread_ones(tmp_path)
     queue.close()
 
 
+def test_notes_on_kept_records_not_read_again_survive_a_second_restart(tmp_path):
+    queue = DiskQueue("q", tmp_path)
+    keeper = queue.keeper = Keeper()
+    queue.put_many(payloads(10))
+    _, positions = queue.read_positioned(10)
+    keeper.held = {positions[1]: {"a": 2}, positions[5]: None, positions[8]: {"a": 3}}
+    queue.close()
+    queue = DiskQueue("q", tmp_path)  # reads one of them, then stops without reading the others
+    queue.keeper = Keeper()
+    assert queue.read_many(1) == [payloads(10)[1]]
+    queue.close()
+    queue = DiskQueue("q", tmp_path)
+    assert queue.recovered_kept == ((positions[8], positions[8], {"a": 3}),)
+    assert drain(queue) == [payloads(10)[5], payloads(10)[8]]
+    queue.close()
+
+
 def test_held_records_stay_until_the_keeper_lets_them_go(tmp_path):
     queue = DiskQueue("q", tmp_path)
     keeper = queue.keeper = Keeper()

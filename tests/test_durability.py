@@ -144,6 +144,29 @@ async def test_deferred_messages_on_disk_count_as_deferred_not_depth(tmp_path):
         assert (channel.deferred_count, channel.depth) == (12, 1)
 
 
+async def test_deferred_messages_on_disk_count_as_depth_once_due(tmp_path):
+    """As nsqd moves a due deferred message to the queue: with --mem-queue-size=0 the record stays
+    on disk until a consumer reads it, but from its due time on it is depth, no longer deferred."""
+    async with running_nsqd(tmp_path, mem_queue_size=0, queue_scan_interval=0.01) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.dpub("t", 60_000, b"later")
+        nsqd.get_topic("t").get_channel("c")
+        await conn.dpub("t", 100, b"soon")
+        await conn.dpub("t", 60_000, b"much later")
+        channel = nsqd.topics["t"].channels["c"]
+        assert (channel.deferred_count, channel.depth) == (3, 0)
+        with trio.fail_after(2):
+            while channel.deferred_count != 2:
+                await trio.sleep(0.01)
+        assert channel.depth == 1
+        await conn.close()
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.sub("t", "c")
+        await conn.command("RDY 5")
+        assert (await conn.read_message()).body == b"soon"
+        assert (channel.deferred_count, channel.depth, channel.in_flight_count) == (2, 0, 1)
+
+
 async def test_damaged_records_found_on_start_are_counted_in_stats(tmp_path):
     async with running_nsqd(tmp_path, mem_queue_size=0) as nsqd:
         conn = await NSQConnection.open(tcp_port(nsqd))

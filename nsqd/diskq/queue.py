@@ -734,6 +734,10 @@ class DiskQueue:
             here = reader.position
             kept = kept + [(max(f, here), l, None) for f, l in zip(self._filter_firsts, self._filter_lasts)
                            if l >= here]
+            # the owner's notes on the kept records not read again yet (not its reserved ones: it
+            # took those back itself and notes them anew), or a second stop would lose them
+            kept += [(max(f, here), l, note) for f, l, note in self.recovered_kept
+                     if l >= here and not _reserved_note(note)]
         if self._reserved:
             kept = kept + [(pos, pos, RESERVED_NOTE) for pos in self._reserved]
         release = min([read_at, *(k[0] for k in kept)]) if kept else read_at
