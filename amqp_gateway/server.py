@@ -163,6 +163,8 @@ class Driver:
         self._heartbeats = False
         #: a wake-up that came while the pump was busy: it must not wait for the next one
         self._woken = False
+        #: the pump's sleep ends in time to look at starved publishing links again
+        self._polling = False
         gateway.on_wake = self._wake
 
     def _wake(self) -> None:
@@ -202,6 +204,8 @@ class Driver:
                 if engine.peer_idle_timeout and not self._heartbeats:
                     self._heartbeats = True
                     self._lot.unpark_all()  # the pump learns the peer's heartbeat interval
+                if gateway.publishers_starved and not self._polling:
+                    self._lot.unpark_all()  # a link starved while the pump slept without a deadline
                 await self._flush(wait=True)
                 if not engine.more:
                     break
@@ -248,8 +252,8 @@ class Driver:
         while True:
             peer_idle = engine.peer_idle_timeout
             heartbeat_at = self._last_send + peer_idle / 2 if peer_idle else math.inf
-            wake_at = min(heartbeat_at, trio.current_time() + POLL_INTERVAL if gateway.publishers_starved
-                          else math.inf)
+            self._polling = gateway.publishers_starved
+            wake_at = min(heartbeat_at, trio.current_time() + POLL_INTERVAL if self._polling else math.inf)
             if not self._woken:
                 with trio.move_on_at(wake_at):
                     await self._lot.park()

@@ -12,6 +12,7 @@ from amqp_gateway import codec, events as ev, performatives as p
 from amqp_gateway.connection import Connection
 from amqp_gateway.consumer import FILL_BYTES
 from amqp_gateway.framing import EMPTY_FRAME, encode_frame
+from amqp_gateway.publisher import POLL_INTERVAL
 from amqp_gateway.sasl import SaslClient
 from amqp_gateway.sections import Data, Header, Message, decode_message, encode_message
 from amqp_gateway.server import serve_amqp
@@ -713,3 +714,22 @@ async def test_dynamic_nodes_and_coordinators_are_refused_as_not_implemented(tmp
         link = await client.attach(p.SENDER, "/topics/t")
         assert await client.publish(link, [b"fine"]) == [p.Accepted()]
 
+
+
+async def test_a_sender_starved_by_the_disk_budget_gets_credit_once_it_is_freed(tmp_path):
+    """Without heartbeats nothing else wakes the connection: the disk budget is sampled, and no
+    event says it was freed, so the starved link must be looked at again on its own."""
+    async with gateway(tmp_path, max_disk_bytes=2000, mem_queue_size=0) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.sub("t", "c")
+        await conn.mpub("t", [b"x" * 100] * 20)  # about 2.8 kB on disk
+        await trio.sleep(0.15)  # the budget is sampled every 100 ms
+        client = await Client.connect(nsqd.amqp_port)  # no idle-time-out: no heartbeats
+        sender = await client.attach(p.SENDER, "/topics/other")
+        await client.for_a_while(0.3)
+        assert sender.credit == 0
+        await conn.command("RDY 20")
+        for _ in range(20):
+            msg = await conn.read_message()
+            await conn.command(b"FIN " + msg.id)
+        await client.until(lambda: sender.credit > 0, timeout=3 * POLL_INTERVAL)
