@@ -68,13 +68,19 @@ async def test_a_crash_after_a_checkpoint_loses_no_kept_record(tmp_path):
     queue.close()
 
 
-def test_a_kept_record_reopened_and_kept_again_survives_a_second_restart(tmp_path):
+def stop_with_kept(tmp_path, count, held):
+    """Put ``count`` records, read them all, keep ``held`` (index: note) and stop; returns their positions."""
     queue = DiskQueue("q", tmp_path)
-    keeper = queue.keeper = Keeper()
-    queue.put_many(payloads(5))
-    _, positions = queue.read_positioned(5)
-    keeper.held = {positions[2]: None}
+    queue.keeper = Keeper()
+    queue.put_many(payloads(count))
+    _, positions = queue.read_positioned(count)
+    queue.keeper.held = {positions[index]: note for index, note in held.items()}
     queue.close()
+    return positions
+
+
+def test_a_kept_record_reopened_and_kept_again_survives_a_second_restart(tmp_path):
+    positions = stop_with_kept(tmp_path, 5, {2: None})
     for _ in range(2):
         queue = DiskQueue("q", tmp_path)
         keeper = queue.keeper = Keeper()
@@ -88,12 +94,7 @@ def test_a_kept_record_reopened_and_kept_again_survives_a_second_restart(tmp_pat
 
 
 def test_while_reading_kept_records_a_checkpoint_keeps_the_unread_ones(tmp_path):
-    queue = DiskQueue("q", tmp_path)
-    keeper = queue.keeper = Keeper()
-    queue.put_many(payloads(10))
-    _, positions = queue.read_positioned(10)
-    keeper.held = {positions[i]: None for i in (1, 5, 8)}
-    queue.close()
+    stop_with_kept(tmp_path, 10, {1: None, 5: None, 8: None})
     queue = DiskQueue("q", tmp_path)  # no keeper yet: only the first kept one is read, then a stop
     assert queue.read_many(1) == [payloads(10)[1]]
     queue.close()
@@ -103,12 +104,7 @@ def test_while_reading_kept_records_a_checkpoint_keeps_the_unread_ones(tmp_path)
 
 
 def test_notes_on_kept_records_not_read_again_survive_a_second_restart(tmp_path):
-    queue = DiskQueue("q", tmp_path)
-    keeper = queue.keeper = Keeper()
-    queue.put_many(payloads(10))
-    _, positions = queue.read_positioned(10)
-    keeper.held = {positions[1]: {"a": 2}, positions[5]: None, positions[8]: {"a": 3}}
-    queue.close()
+    positions = stop_with_kept(tmp_path, 10, {1: {"a": 2}, 5: None, 8: {"a": 3}})
     queue = DiskQueue("q", tmp_path)  # reads one of them, then stops without reading the others
     queue.keeper = Keeper()
     assert queue.read_many(1) == [payloads(10)[1]]
