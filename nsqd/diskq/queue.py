@@ -81,7 +81,9 @@ class DiskQueue:
     """A named FIFO queue of byte payloads stored under ``data_path``.
 
     Every method is called from the Trio thread; only fsync work runs in
-    worker threads, started by :meth:`run`.
+    worker threads, started by :meth:`run`. ``present_files``: the queue's
+    file names from a listing of ``data_path`` just taken (see
+    ``naming.DirectoryListing``), so that opening it lists nothing more.
     """
 
     def __init__(
