@@ -16,7 +16,7 @@ import resource
 import time
 from collections.abc import Iterator
 
-from . import stats
+from . import gc_pauses, stats
 
 _TOPIC = (
     ("depth", "gauge", "Messages queued in the topic itself (no channel yet, or paused).", "depth"),
@@ -116,6 +116,14 @@ def _pieces(snapshot: stats.NSQDStats, clients: int) -> Iterator[str]:
     add("# TYPE python_gc_collections_total counter")
     for generation, gen_stats in enumerate(gc.get_stats()):
         add(f'python_gc_collections_total{{generation="{generation}"}} {gen_stats["collections"]}')
+    pauses = gc_pauses.PAUSES
+    add("# HELP python_gc_pause_seconds How long collections held the daemon: quantiles of the last "
+        f"{gc_pauses.KEEP}, count and sum since start.")
+    add("# TYPE python_gc_pause_seconds summary")
+    for quantile, usec in zip(("0.95", "0.99", "1"), pauses.percentiles_usec((95.0, 99.0, 100.0))):
+        add(f'python_gc_pause_seconds{{quantile="{quantile}"}} {usec / 1e6:.6f}')
+    add(f"python_gc_pause_seconds_sum {pauses.total:.6f}")
+    add(f"python_gc_pause_seconds_count {pauses.count}")
     yield _lines(out)
 
 

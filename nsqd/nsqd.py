@@ -26,6 +26,7 @@ from functools import partial
 import structlog
 import trio
 
+from . import gc_pauses
 from .broker import Broker, MetadataError
 from .logs import configure_logging
 from .options import Options, join_host_port, split_host_port
@@ -37,6 +38,7 @@ log = structlog.get_logger("nsqd")
 class NSQD(Broker):
     def __init__(self, options: Options) -> None:
         super().__init__(options)
+        gc_pauses.install()  # /stats, /metrics and statsd report the collector's pauses
         self.connections_nursery: trio.Nursery | None = None
         self._shutdown = trio.Event()
         self.ready = trio.Event()

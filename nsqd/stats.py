@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from . import e2e
+from . import e2e, gc_pauses
 from .client_v2 import STATE_INIT
 from .options import format_duration
 from .version import NSQD_VERSION, version_string
@@ -138,8 +138,10 @@ class MemoryStats:
     """Go's runtime memory figures, mapped onto what CPython can tell cheaply.
 
     ``heap_objects`` is the count of allocated blocks, ``heap_in_use_bytes``
-    the resident set size, ``gc_total_runs`` the collections of all
-    generations; figures CPython has no equivalent for are 0.
+    the resident set size, ``gc_pause_usec_*`` percentiles of the last 256
+    collections' pauses (``nsqd/gc_pauses.py``), ``gc_total_runs`` the
+    collections of all generations; figures CPython has no equivalent for
+    are 0.
     """
 
     heap_objects: int
@@ -364,14 +366,15 @@ def client_stats(client: object, topic_filter: str | None = None) -> ClientStats
 
 
 def memory_stats() -> MemoryStats:
+    pause_100, pause_99, pause_95 = gc_pauses.PAUSES.percentiles_usec((100.0, 99.0, 95.0))
     return MemoryStats(
         heap_objects=sys.getallocatedblocks(),
         heap_idle_bytes=0,
         heap_in_use_bytes=_rss_bytes(),
         heap_released_bytes=0,
-        gc_pause_usec_100=0,
-        gc_pause_usec_99=0,
-        gc_pause_usec_95=0,
+        gc_pause_usec_100=pause_100,
+        gc_pause_usec_99=pause_99,
+        gc_pause_usec_95=pause_95,
         next_gc_bytes=0,
         gc_total_runs=sum(generation["collections"] for generation in gc.get_stats()),
     )

@@ -8,7 +8,6 @@ into UDP datagrams of at most ``--statsd-udp-packet-size`` bytes.
 
 from __future__ import annotations
 
-import gc
 from typing import TYPE_CHECKING
 
 import structlog
@@ -32,6 +31,11 @@ def metric_prefix(prefix: str, broadcast_address: str, http_port: int) -> str:
         return ""
     prefix = prefix.replace("%s", host_key(f"{broadcast_address}:{http_port}"))
     return prefix if prefix.endswith(".") else prefix + "."
+
+
+#: the memory figures sent as gauges with --statsd-mem-stats, as Go's statsdLoop sends them
+_MEM_GAUGES = ("heap_objects", "heap_idle_bytes", "heap_in_use_bytes", "heap_released_bytes",
+               "gc_pause_usec_100", "gc_pause_usec_99", "gc_pause_usec_95", "next_gc_bytes")
 
 
 class StatsdReporter:
@@ -86,8 +90,10 @@ class StatsdReporter:
                 for p in c.e2e_processing_latency.percentiles:
                     self._gauge(out, f"{cbase}.e2e_processing_latency_{p['quantile'] * 100:.0f}", p["value"])
         if self.mem_stats:
-            self._gauge(out, "mem.heap_objects", len(gc.get_objects()))
-            self._counter(out, "mem.gc_runs", sum(s["collections"] for s in gc.get_stats()))
+            mem = stats.memory_stats()
+            for name in _MEM_GAUGES:
+                self._gauge(out, f"mem.{name}", getattr(mem, name))
+            self._counter(out, "mem.gc_runs", mem.gc_total_runs)
         self._last, self._totals = self._totals, {}
         return out
 
