@@ -26,12 +26,12 @@ def authenticate(username: str, password: str) -> bool:
     return True
 
 
-async def query(nsqd: Broker, remote_address: str, secret: str) -> AuthState | None:
-    """The auth servers' answer for ``secret``; None when none approves it (the gateway has no TLS)."""
+async def query(nsqd: Broker, remote_address: str, secret: str, *, tls: bool = False) -> AuthState | None:
+    """The auth servers' answer for ``secret`` (asked with ``tls``, as nsqd asks); None when none approves it."""
     opts = nsqd.options
     try:
         return await query_any(
-            opts.auth_http_addresses, remote_ip=remote_address.rsplit(":", 1)[0], tls=False, secret=secret,
+            opts.auth_http_addresses, remote_ip=remote_address.rsplit(":", 1)[0], tls=tls, secret=secret,
             now=nsqd.now_ns() / 1e9, method=opts.auth_http_request_method,
             connect_timeout=opts.http_client_connect_timeout, request_timeout=opts.http_client_request_timeout)
     except AuthError as exc:

@@ -62,7 +62,8 @@ _AUTHORIZED = (ev.LinkAttaching, ev.Transfers)
 
 class GatewayConnection:
     def __init__(self, nsqd: Broker, remote_address: str, *, authenticate: Authenticate,
-                 idle_timeout: float | None) -> None:
+                 idle_timeout: float | None, tls: dict | None = None) -> None:
+        """``tls``: the negotiated TLS parameters of an amqps connection (``nsqd.tls.describe``), for /stats."""
         self.nsqd = nsqd
         #: with auth servers, PLAIN logins wait for them (``authenticate`` is not asked) and nothing else gets in
         self.auth_enabled = bool(nsqd.options.auth_http_addresses)
@@ -97,6 +98,10 @@ class GatewayConnection:
         self.pub_counts = PubCounts(nsqd.topics)
         self.authed = False
         self.auth_identity = self.auth_identity_url = ""
+        self.tls = tls is not None
+        self.tls_details = tls or {}
+        for key, value in self.tls_details.items():
+            setattr(self, key, value)
         nsqd.add_client(self)
 
     @property
@@ -224,6 +229,9 @@ class GatewayConnection:
                                 remote_address=self.remote_address, now_ns=now_ns, on_wake=self._wake)
         consumer.authed, consumer.auth_identity, consumer.auth_identity_url = (
             self.authed, self.auth_identity, self.auth_identity_url)
+        consumer.tls = self.tls
+        for key, value in self.tls_details.items():
+            setattr(consumer, key, value)
         try:
             consumer.sub = nsqd.subscribe(topic_name, channel_name, consumer, budget=self.budget,
                                           msg_timeout_ns=int(nsqd.options.msg_timeout * 1e9))

@@ -29,6 +29,12 @@ clients. One over the limit is refused the AMQP way: after the header
 exchange (and SASL, which it passes, since nothing follows) it gets open and
 at once close with ``amqp:resource-limit-exceeded``.
 
+The amqps listener (``--amqps-address``) runs the same driver over TLS
+(``nsqd.tls.TLSStream``, the NSQ protocol's own): the handshake comes first
+and must finish within ``HANDSHAKE_TIMEOUT``. Where TLS is required, the
+plain listener refuses every connection as above, with
+``amqp:not-allowed``.
+
 Whatever goes wrong in a connection stays in it: it is logged, the
 connection's consumers leave their channels (requeueing their messages in
 order) and the daemon carries on.
@@ -37,19 +43,21 @@ order) and the daemon carries on.
 from __future__ import annotations
 
 import math
+import ssl
 from typing import TYPE_CHECKING
 
 import structlog
 import trio
 
 from nsqd.broker import PublishError
-from nsqd.options import split_host_port
+from nsqd.options import TLS_NOT_REQUIRED, split_host_port
 from nsqd.tcp import hang_up, peer_address
+from nsqd.tls import TLSStream, describe
 from nsqd.write_turn import WriteTurn
 
 from . import auth
 from .connection import Connection
-from .errors import CONNECTION_FORCED, RESOURCE_LIMIT_EXCEEDED
+from .errors import CONNECTION_FORCED, NOT_ALLOWED, RESOURCE_LIMIT_EXCEEDED
 from .gateway import CONTAINER_ID, GatewayConnection
 from .performatives import Error
 from .publisher import POLL_INTERVAL
@@ -63,29 +71,33 @@ log = structlog.get_logger("amqp_gateway.server")
 RECEIVE_SIZE = 256 * 1024
 IDLE_TIMEOUT = 60.0
 LINGER = 1.0
+#: seconds an amqps client has for its TLS handshake (as an NSQ client's TLS upgrade)
+HANDSHAKE_TIMEOUT = 5.0
 
 
 async def serve_amqp(nsqd: Broker, address: str, *, idle_timeout: float = IDLE_TIMEOUT,
-                     authenticate: Authenticate = auth.authenticate,
+                     authenticate: Authenticate = auth.authenticate, tls_context: ssl.SSLContext | None = None,
                      task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Listen on ``address`` (port 0 picks one) and serve AMQP connections until cancelled.
 
     ``authenticate(username, password) -> bool`` checks SASL PLAIN logins
     when the daemon has no auth servers (with them, they decide: see
-    :mod:`auth`). ``task_status.started`` gets the list of bound ``(host,
-    port)`` pairs.
+    :mod:`auth`). With ``tls_context`` every connection starts with a TLS
+    handshake (amqps); without it, and with ``--tls-required``, every
+    connection is refused. ``task_status.started`` gets the list of bound
+    ``(host, port)`` pairs.
     """
     host, port = split_host_port(address)
     listeners = await trio.open_tcp_listeners(port, host=host or None)
     addresses = [listener.socket.getsockname()[:2] for listener in listeners]
     async with trio.open_nursery() as nursery:
         for listener in listeners:
-            nursery.start_soon(_accept_loop, nsqd, listener, nursery, idle_timeout, authenticate)
+            nursery.start_soon(_accept_loop, nsqd, listener, nursery, idle_timeout, authenticate, tls_context)
         task_status.started(addresses)
 
 
 async def _accept_loop(nsqd: Broker, listener: trio.SocketListener, handlers: trio.Nursery,
-                       idle_timeout: float, authenticate: Authenticate) -> None:
+                       idle_timeout: float, authenticate: Authenticate, tls_context: ssl.SSLContext | None) -> None:
     slots = nsqd.connection_slots
     async with listener:
         while True:
@@ -95,19 +107,47 @@ async def _accept_loop(nsqd: Broker, listener: trio.SocketListener, handlers: tr
                 log.error("accept failed", error=str(exc))
                 await trio.sleep(0.1)
                 continue
-            if slots.take():
-                handlers.start_soon(handle_connection, nsqd, stream, idle_timeout, authenticate)
+            if tls_context is None and nsqd.options.tls_required != TLS_NOT_REQUIRED:
+                handlers.start_soon(refuse_connection, nsqd, stream, None, Error(
+                    NOT_ALLOWED, "TLS is required: connect with amqps" + _amqps_port(nsqd)))
+            elif slots.take():
+                handlers.start_soon(handle_connection, nsqd, stream, idle_timeout, authenticate, tls_context)
             else:
-                handlers.start_soon(refuse_connection, nsqd, stream)
+                handlers.start_soon(refuse_connection, nsqd, stream, tls_context, Error(
+                    RESOURCE_LIMIT_EXCEEDED, f"max connections ({slots.limit}) reached"))
+
+
+def _amqps_port(nsqd: Broker) -> str:
+    return f" (port {nsqd.amqps_addresses[0][1]})" if nsqd.amqps_addresses else ""
+
+
+async def _start_tls(stream: trio.SocketStream, tls_context: ssl.SSLContext | None, remote: str) -> trio.abc.Stream | None:
+    """The stream to speak AMQP on: ``stream`` itself, or TLS over it once the handshake passed (None: it did not)."""
+    if tls_context is None:
+        return stream
+    secure = TLSStream(stream, tls_context)
+    try:
+        with trio.fail_after(HANDSHAKE_TIMEOUT):
+            await secure.do_handshake()
+    except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError) as exc:
+        log.info("AMQP TLS handshake failed", client=remote, error=str(exc) or type(exc).__name__)
+        return None
+    return secure
 
 
 async def handle_connection(nsqd: Broker, stream: trio.SocketStream, idle_timeout: float,
-                            authenticate: Authenticate) -> None:
+                            authenticate: Authenticate, tls_context: ssl.SSLContext | None = None) -> None:
     """Serve one connection (holding a connection slot); whatever goes wrong stays inside it."""
     remote = peer_address(stream)
     try:
-        gateway = GatewayConnection(nsqd, remote, authenticate=authenticate, idle_timeout=idle_timeout)
-        driver = Driver(nsqd, stream, gateway, idle_timeout)
+        secure = await _start_tls(stream, tls_context, remote)
+        if secure is None:
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+            return
+        gateway = GatewayConnection(nsqd, remote, authenticate=authenticate, idle_timeout=idle_timeout,
+                                    tls=None if tls_context is None else describe(secure))
+        driver = Driver(nsqd, secure, gateway, idle_timeout)
         try:
             await driver.run()
         except* (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, ConnectionError):
@@ -124,21 +164,26 @@ async def handle_connection(nsqd: Broker, stream: trio.SocketStream, idle_timeou
         nsqd.connection_slots.give_back()
 
 
-async def refuse_connection(nsqd: Broker, stream: trio.SocketStream) -> None:
-    """A client over ``--max-connections``: open and close with ``amqp:resource-limit-exceeded``."""
+async def refuse_connection(nsqd: Broker, stream: trio.SocketStream, tls_context: ssl.SSLContext | None,
+                            error: Error) -> None:
+    """A connection that may not stay (over ``--max-connections``, or plain where TLS is required):
+    the header exchange (TLS first on amqps), then open and at once close with ``error``."""
     slots = nsqd.connection_slots
-    log.warning("AMQP connection refused: too many connections", client=peer_address(stream), limit=slots.limit)
-    engine = Connection(client=False, container_id=CONTAINER_ID, sasl=SaslServer(_anyone),
-                        refuse=Error(RESOURCE_LIMIT_EXCEEDED, f"max connections ({slots.limit}) reached"))
+    remote = peer_address(stream)
+    log.warning("AMQP connection refused", client=remote, reason=error.description)
+    engine = Connection(client=False, container_id=CONTAINER_ID, sasl=SaslServer(_anyone), refuse=error)
     async with slots.refusal(stream) as linger:
         if not linger:  # too many refusals at once: no time for the exchange
             return
+        secure = await _start_tls(stream, tls_context, remote)
+        if secure is None:
+            return
         while not engine.finished:
-            data = await stream.receive_some(RECEIVE_SIZE)
+            data = await secure.receive_some(RECEIVE_SIZE)
             if not data:
                 return
             engine.receive_data(data)
-            await stream.send_all(engine.data_to_send())
+            await secure.send_all(engine.data_to_send())
         await hang_up(stream, linger)
 
 
@@ -199,7 +244,8 @@ class Driver:
                     await self._confirm()
                     if gateway.auth_pending:
                         await self._flush(wait=True)  # answers to what came before need not wait for the auth servers
-                        state = await auth.query(self.nsqd, gateway.remote_address, gateway.auth_secret)
+                        state = await auth.query(self.nsqd, gateway.remote_address, gateway.auth_secret,
+                                                 tls=gateway.tls)
                         gateway.auth_done(state, self.nsqd.now_ns())
                 if engine.peer_idle_timeout and not self._heartbeats:
                     self._heartbeats = True

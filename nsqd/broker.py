@@ -164,6 +164,7 @@ class Broker:
         self.http_addresses: list[tuple[str, int]] = []
         self.https_addresses: list[tuple[str, int]] = []
         self.amqp_addresses: list[tuple[str, int]] = []
+        self.amqps_addresses: list[tuple[str, int]] = []
         #: the ongoing storage failure (a full disk...), None while storage works
         self.storage_error: str | None = None
         self.default_policy = policy.defaults(options)

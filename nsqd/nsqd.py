@@ -94,6 +94,11 @@ class NSQD(Broker):
                     with _bind_errors(self.options.amqp_address):
                         self.amqp_addresses = await services.start(serve_amqp, self, self.options.amqp_address)
                     _listening("AMQP", self.amqp_addresses)
+                if self.options.amqps_address:  # validate() made sure there is a certificate
+                    with _bind_errors(self.options.amqps_address):
+                        self.amqps_addresses = await services.start(
+                            partial(serve_amqp, tls_context=self.tls_context), self, self.options.amqps_address)
+                    _listening("AMQPS", self.amqps_addresses)
                 services.start_soon(lookup_loop, self)
                 services.start_soon(statsd_loop, self)
                 services.start_soon(self._apply_option_changes)
@@ -102,7 +107,8 @@ class NSQD(Broker):
                 await self._shutdown.wait()
                 await self.drain()
                 for kind, addresses in (("TCP", self.tcp_addresses), ("HTTP", self.http_addresses),
-                                        ("HTTPS", self.https_addresses), ("AMQP", self.amqp_addresses)):
+                                        ("HTTPS", self.https_addresses), ("AMQP", self.amqp_addresses),
+                                        ("AMQPS", self.amqps_addresses)):
                     for host, port in addresses:
                         log.info(f"{kind}: closing {join_host_port(host, port)}")
                 services.cancel_scope.cancel()

@@ -501,6 +501,10 @@ class Options:
         "str", "", "<addr>:<port> for the AMQP gateway, e.g. 127.0.0.1:5672 (empty: off, as Go nsqd opens no such "
         "port)", exposed=False
     )
+    amqps_address: str = _opt(
+        "str", "", "<addr>:<port> for the AMQP gateway over TLS (amqps), e.g. 127.0.0.1:5671; needs --tls-cert and "
+        "--tls-key (empty: off)", exposed=False
+    )
 
     def __post_init__(self) -> None:
         # nsqd: asking for client certificates implies requiring TLS.
@@ -516,9 +520,12 @@ class Options:
             ("--https-address", self.https_address),
             ("--statsd-address", self.statsd_address),
             ("--amqp-address", self.amqp_address),
+            ("--amqps-address", self.amqps_address),
         ):
             if value:
                 _address(flag, value)
+        _need(not self.amqps_address or bool(self.tls_cert and self.tls_key),
+              "--amqps-address needs --tls-cert and --tls-key")
         for value in self.lookupd_tcp_addresses:
             _address("--lookupd-tcp-address", value)
         _need(bool(self.broadcast_address), "--broadcast-address must not be empty")

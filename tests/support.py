@@ -20,7 +20,7 @@ FRAME_RESPONSE, FRAME_ERROR, FRAME_MESSAGE = 0, 1, 2
 
 
 def make_options(data_path, **overrides) -> Options:
-    fields = dict(tcp_address="127.0.0.1:0", http_address="", https_address="", amqp_address="",
+    fields = dict(tcp_address="127.0.0.1:0", http_address="", https_address="", amqp_address="", amqps_address="",
                   data_path=str(data_path), shutdown_grace=0.0)
     fields.update(overrides)
     return Options(**fields)

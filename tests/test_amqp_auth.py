@@ -277,3 +277,26 @@ def test_a_refused_login_reads_nothing_more():
     assert closed.error.condition == "amqp:unauthorized-access"
     assert server.data_to_send() == _sasl_frame(p.SaslOutcome(p.SASL_AUTH))
     assert server.finished and not server.open_received and server.sasl.identity is None
+
+
+async def test_an_amqps_login_is_asked_about_with_tls_true(tmp_path):
+    from .test_amqp_tls import CERTS, domain
+
+    server = RecordingAuthServer({"good": grant("^orders$", [".*"], ["publish"])})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        async with running_nsqd(tmp_path / "nsqd", amqps_address="127.0.0.1:0", tls_cert=CERTS["cert"],
+                                tls_key=CERTS["key"], auth_http_addresses=[f"127.0.0.1:{server.port}"]) as nsqd:
+            def publish():
+                conn = BlockingConnection(f"amqps://127.0.0.1:{nsqd.amqps_addresses[0][1]}", timeout=5,
+                                          ssl_domain=domain(CERTS["ca"], False), user="app", password="good",
+                                          allowed_mechs="PLAIN")
+                try:
+                    return conn.create_sender("/topics/orders").send(Message(body=b"o", inferred=True)).remote_state
+                finally:
+                    conn.close()
+
+            assert await in_thread(publish) == Delivery.ACCEPTED
+        nursery.cancel_scope.cancel()
+    (form,) = server.forms
+    assert (form["tls"], form["secret"]) == (["true"], ["good"])

@@ -118,6 +118,7 @@ EXPECTED_DEFAULTS = {
     "declare": [],
     "shutdown_grace": 5.0,
     "amqp_address": "",
+    "amqps_address": "",
 }
 
 
@@ -220,6 +221,7 @@ FLAG_SAMPLES = {
     "declare": ("orders:billing", ["orders:billing"]),
     "channel_max_messages": ("50", 50),
     "amqp_address": ("0.0.0.0:5673", "0.0.0.0:5673"),
+    "amqps_address": ("0.0.0.0:5671", "0.0.0.0:5671"),
 }
 
 # Flags whose names are not the field name in kebab case (nsqd's singular
@@ -584,6 +586,9 @@ def test_config_file_values_are_validated(tmp_path, capsys):
         ({"https_address": "::1:443"}, "--https-address: invalid address"),
         ({"statsd_address": "statsd"}, "--statsd-address: invalid address"),
         ({"amqp_address": "5672"}, "--amqp-address: invalid address"),
+        ({"amqps_address": "5671"}, "--amqps-address: invalid address"),
+        ({"amqps_address": "127.0.0.1:5671"}, "--amqps-address needs --tls-cert and --tls-key"),
+        ({"amqps_address": "127.0.0.1:5671", "tls_cert": "c.pem"}, "--amqps-address needs --tls-cert and --tls-key"),
         ({"lookupd_tcp_addresses": ["a:1", "b"]}, "--lookupd-tcp-address: invalid address 'b'"),
         ({"broadcast_address": ""}, "--broadcast-address must not be empty"),
         ({"broadcast_tcp_port": 65536}, "--broadcast-tcp-port must be [0,65535]"),
@@ -673,6 +678,7 @@ def test_validate_names_the_flag(changes, message):
         {"msg_timeout": 900.0},
         {"e2e_processing_latency_percentiles": [1.0, 0.5]},
         {"tls_required": TLS_REQUIRED, "tls_cert": "c.pem", "tls_key": "k.pem"},
+        {"amqps_address": "127.0.0.1:5671", "tls_cert": "c.pem", "tls_key": "k.pem"},
         {"max_msg_size": 10 * 1024 * 1024},  # Go nsqd does not tie it to max_body_size
     ],
 )
@@ -719,6 +725,7 @@ def test_config_exposes_exactly_nsqds_names():
         "queue_scan_refresh_interval",
         "queue_scan_dirty_percent",
         "amqp_address",
+        "amqps_address",
         "topic_max_messages",
         "channel_max_messages",
         "shutdown_grace",
