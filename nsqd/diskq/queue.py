@@ -56,21 +56,42 @@ KeptSnapshot = tuple[list[Kept], int]
 
 
 class _CommitRound:
-    """The waiters one fsync will release: tasks waiting on ``done``, and callbacks."""
+    """The waiters one fsync will release: tasks waiting on it, and callbacks.
 
-    __slots__ = ("done", "error", "waiters", "callbacks")
+    Its event and list are made only for a round that gets waiters: every
+    checkpoint starts a new round, and a busy daemon has thousands of
+    queues whose rounds nobody waits for (each object a young one for the
+    garbage collector to look at).
+    """
+
+    __slots__ = ("finished", "error", "waiters", "_done", "_callbacks")
 
     def __init__(self) -> None:
-        self.done = trio.Event()
+        self.finished = False
         self.error: DiskQueueError | None = None
         self.waiters = 0
-        self.callbacks: list[Callable[[DiskQueueError | None], None]] = []
+        self._done: trio.Event | None = None
+        self._callbacks: list[Callable[[DiskQueueError | None], None]] | None = None
+
+    async def wait(self) -> None:
+        if not self.finished:
+            if self._done is None:
+                self._done = trio.Event()
+            await self._done.wait()
+
+    def add_callback(self, callback: Callable[[DiskQueueError | None], None]) -> None:
+        if self._callbacks is None:
+            self._callbacks = [callback]
+        else:
+            self._callbacks.append(callback)
 
     def finish(self, error: DiskQueueError | None) -> None:
         self.error = error
-        self.done.set()
-        callbacks, self.callbacks = self.callbacks, []
-        for callback in callbacks:
+        self.finished = True
+        if self._done is not None:
+            self._done.set()
+        callbacks, self._callbacks = self._callbacks, None
+        for callback in callbacks or ():
             try:
                 callback(error)
             except Exception:  # a waiter's bug must not stop the queue's commits
@@ -171,7 +192,10 @@ class DiskQueue:
         self._ring: uring.SyncRing | None = None
         #: io_uring cannot be used here (unavailable, or it refused a submission)
         self._ring_refused = False
-        self._wakeup = trio.Event()
+        #: run()'s wake-up: the flag, and where run() parks until it is raised (one lot for the
+        #: queue's life, not an event per wake-up)
+        self._woken = False
+        self._wakeup = trio.lowlevel.ParkingLot()
         self._next_round = _CommitRound()
         self._running = False
         #: run() was started with start_soon and will be running soon (see :meth:`run_scheduled`)
@@ -440,7 +464,7 @@ class DiskQueue:
         commit = self._join_next_commit("wait_durable")
         if commit is None:
             return
-        await commit.done.wait()
+        await commit.wait()
         if commit.error is not None:
             raise _copy_for_waiter(commit.error)
 
@@ -457,7 +481,7 @@ class DiskQueue:
         if commit is None:
             callback(None)
         else:
-            commit.callbacks.append(callback)
+            commit.add_callback(callback)
 
     def _join_next_commit(self, caller: str) -> _CommitRound | None:
         """The round that will make every record put so far durable; None if they are already."""
@@ -468,7 +492,7 @@ class DiskQueue:
             raise DiskQueueError(f"disk queue {self.name!r}: {caller}() needs run() to be running")
         commit = self._next_round
         if not commit.waiters:
-            self._wakeup.set()
+            self._wake()
         commit.waiters += 1
         return commit
 
@@ -497,7 +521,11 @@ class DiskQueue:
         channels cost no CPU (each woke every ``sync_timeout`` before).
         """
         self._metadata_dirty = True
-        self._wakeup.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        self._woken = True
+        self._wakeup.unpark_all()
 
     def request_checkpoint(self) -> None:
         """Save the keeper's view soon (the owner finished many records)."""
@@ -519,10 +547,13 @@ class DiskQueue:
                     # pass (a pass of busy publishers would be added to every confirmation's wait)
                     await trio.lowlevel.checkpoint_if_cancelled()
                 else:
-                    deadline = self._last_checkpoint + self._sync_timeout if self._dirty() else math.inf
-                    with trio.move_on_at(deadline):
-                        await self._wakeup.wait()
-                    self._wakeup = trio.Event()
+                    if not self._woken:
+                        if self._dirty():
+                            with trio.move_on_at(self._last_checkpoint + self._sync_timeout):
+                                await self._wakeup.park()
+                        else:  # clean: nothing is due until something changes
+                            await self._wakeup.park()
+                    self._woken = False
                     if self._closed:
                         break
                 overdue = trio.current_time() >= self._last_checkpoint + self._sync_timeout
@@ -547,7 +578,7 @@ class DiskQueue:
     def _request_checkpoint(self) -> None:
         if not self._checkpoint_due:
             self._checkpoint_due = True
-            self._wakeup.set()
+            self._wake()
 
     async def _commit(self, checkpoint: bool) -> None:
         """One round: fsync in a thread if anything is unsynced, release the waiters, save a checkpoint."""
@@ -851,7 +882,7 @@ class DiskQueue:
         self._reader.close()
         os.close(self._lock_fd)
         self._closed = True
-        self._wakeup.set()
+        self._wake()
 
     def _release_waiters(self, error: DiskQueueError | None) -> None:
         self._next_round.finish(error)
