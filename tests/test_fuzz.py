@@ -1,8 +1,8 @@
-"""Random and mutated input on all three ports of a daemon running as a subprocess.
+"""Random and mutated input on all four ports of a daemon running as a subprocess.
 
 A seeded generator (the seed is printed; ``NSQD_FUZZ_SEED`` fixes it) builds
 valid NSQ V2 sessions (plain, deflate and snappy), HTTP requests and AMQP
-sessions, mutates them (bit flips, extreme numbers, cut, repeated and
+sessions (plain, and over TLS on the amqps port), mutates them (bit flips, extreme numbers, cut, repeated and
 inserted bytes) and throws them at the daemon, many connections at once.
 After each batch: the process is alive, ``/ping`` answers within 100 ms,
 a fresh client can publish and consume, and no TCP or AMQP connection has
@@ -14,14 +14,18 @@ from __future__ import annotations
 import json
 import os
 import random
+import ssl
 import struct
 import subprocess
 import sys
 import time
 import zlib
 
+from functools import partial
+
 import snappy
 import trio
+import trustme
 
 from amqp_gateway import performatives as p
 from amqp_gateway.connection import Connection
@@ -187,11 +191,16 @@ def compress(kind: str, data: bytes) -> bytes:
 
 
 # --------------------------------------------------------------- the client
-async def throw(port: int, parts: list[bytes], pause: float) -> None:
-    """Send, read whatever comes back for a moment, hang up; any network error is the fuzz's business."""
+async def throw(port: int, parts: list[bytes], pause: float, tls: ssl.SSLContext | None = None) -> None:
+    """Send, read whatever comes back for a moment, hang up; any network error is the fuzz's business.
+
+    With ``tls`` the parts go over TLS (the handshake first)."""
     with trio.move_on_after(CONNECTION_TIME):
         try:
-            async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            if tls is not None:
+                stream = trio.SSLStream(stream, tls, server_hostname="127.0.0.1")
+            async with stream:
                 async with trio.open_nursery() as nursery:
                     async def read():
                         while await stream.receive_some(65536):
@@ -203,7 +212,7 @@ async def throw(port: int, parts: list[bytes], pause: float) -> None:
                         if pause:
                             await trio.sleep(pause)
                     await trio.sleep(CONNECTION_TIME)
-        except* (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+        except* (OSError, trio.BrokenResourceError, trio.ClosedResourceError):  # ssl.SSLError is an OSError
             pass
 
 
@@ -224,9 +233,17 @@ async def http_case(rng: random.Random, port: int) -> None:
     await throw(port, chunks(rng, maybe_mutate(rng, http_request(rng, port))), pause=0.01 * rng.random())
 
 
-async def amqp_case(rng: random.Random, port: int) -> None:
+async def amqp_case(rng: random.Random, port: int, tls: ssl.SSLContext | None = None) -> None:
     opening, rest = amqp_session(rng)
-    await throw(port, [maybe_mutate(rng, opening), maybe_mutate(rng, rest)], pause=0.05)
+    await throw(port, [maybe_mutate(rng, opening), maybe_mutate(rng, rest)], pause=0.05, tls=tls)
+
+
+async def amqps_case(rng: random.Random, port: int, tls: ssl.SSLContext) -> None:
+    """Mostly an AMQP session over TLS; sometimes plain bytes where the TLS handshake should be."""
+    if rng.random() < 0.3:
+        await amqp_case(rng, port)
+    else:
+        await amqp_case(rng, port, tls)
 
 
 async def fresh_client_publishes_and_consumes(port: int, batch: int) -> None:
@@ -261,16 +278,22 @@ def failed_connections(log_path) -> list[str]:
     return [line for line in text.splitlines() if "connection failed" in line]
 
 
-async def test_fuzz_all_three_ports(tmp_path):
+async def test_fuzz_all_four_ports(tmp_path):
     seed = int(os.environ.get("NSQD_FUZZ_SEED") or random.SystemRandom().getrandbits(32))
     print(f"fuzz seed {seed} (set NSQD_FUZZ_SEED={seed} to repeat)")
     rng = random.Random(seed)
-    tcp, http_port, amqp = free_port(), free_port(), free_port()
+    tcp, http_port, amqp, amqps = free_port(), free_port(), free_port(), free_port()
     log_path = tmp_path / "nsqd.log"
+    ca = trustme.CA()
+    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(str(tmp_path / "server.pem"))
+    tls = ssl.create_default_context()
+    ca.configure_trust(tls)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "nsqd", f"--tcp-address=127.0.0.1:{tcp}", f"--http-address=127.0.0.1:{http_port}",
-             f"--amqp-address=127.0.0.1:{amqp}", f"--data-path={tmp_path / 'data'}", "--shutdown-grace=0",
+             f"--amqp-address=127.0.0.1:{amqp}", f"--amqps-address=127.0.0.1:{amqps}",
+             f"--tls-cert={tmp_path / 'server.pem'}", f"--tls-key={tmp_path / 'server.pem'}",
+             f"--data-path={tmp_path / 'data'}", "--shutdown-grace=0",
              "--log-level=warn"],
             stdout=subprocess.DEVNULL, stderr=log)
     try:
@@ -285,7 +308,8 @@ async def test_fuzz_all_three_ports(tmp_path):
                     await trio.sleep(0.05)
         for batch in range(BATCHES):
             where = f"seed {seed}, batch {batch}"
-            cases = [(nsq_case, tcp), (http_case, http_port), (amqp_case, amqp)]
+            cases = [(nsq_case, tcp), (http_case, http_port), (amqp_case, amqp),
+                     (partial(amqps_case, tls=tls), amqps)]
             async with trio.open_nursery() as nursery:
                 for case, port in cases:
                     for _ in range(CONNECTIONS_PER_PORT):
