@@ -89,8 +89,8 @@ class StatsdReporter:
                 self._gauge(out, f"{cbase}.clients", c.client_count)
                 for p in c.e2e_processing_latency.percentiles:
                     self._gauge(out, f"{cbase}.e2e_processing_latency_{p['quantile'] * 100:.0f}", p["value"])
-        if self.mem_stats:
-            mem = stats.memory_stats()
+        mem = snapshot.memory
+        if self.mem_stats and mem is not None:
             for name in _MEM_GAUGES:
                 self._gauge(out, f"mem.{name}", getattr(mem, name))
             self._counter(out, "mem.gc_runs", mem.gc_total_runs)
@@ -125,7 +125,7 @@ async def statsd_loop(nsqd: Broker) -> None:
         await sock.connect((host or "127.0.0.1", port))
         while True:
             await trio.sleep(opts.statsd_interval)
-            snapshot = await stats.snapshot_paced(nsqd, include_clients=False)
+            snapshot = await stats.snapshot_paced(nsqd, include_clients=False, include_mem=opts.statsd_mem_stats)
             for packet in packets(reporter.lines(snapshot), opts.statsd_udp_packet_size):
                 try:
                     await sock.send(packet)
