@@ -38,11 +38,8 @@ class GCPauses:
         self.count += 1
         self.total += pause
 
-    def percentile_usec(self, percent: float) -> int:
-        """A percentile of the recent pauses in µs, picked as Go nsqd's ``percentile`` picks (0 if none)."""
-        return self.percentiles_usec((percent,))[0]
-
     def percentiles_usec(self, percents: tuple[float, ...]) -> list[int]:
+        """Percentiles of the recent pauses in µs, each picked as Go nsqd's ``percentile`` picks (0 if none)."""
         pauses = sorted(self.recent)
         if not pauses:
             return [0] * len(percents)
@@ -54,8 +51,7 @@ class GCPauses:
 PAUSES = GCPauses()
 
 
-def install() -> GCPauses:
-    """Start timing collections (once; later calls change nothing)."""
+def install() -> None:
+    """Start timing collections into :data:`PAUSES` (once; later calls change nothing)."""
     if PAUSES.callback not in gc.callbacks:
         gc.callbacks.append(PAUSES.callback)
-    return PAUSES

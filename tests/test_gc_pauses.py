@@ -18,8 +18,7 @@ def test_percentiles_are_picked_as_go_picks_them():
     assert pauses.percentiles_usec((100.0, 99.0, 95.0)) == [0, 0, 0]
     pauses.recent.extend(i / 1e6 for i in range(100, 0, -1))  # 1..100 µs, in any order
     # Go: index floor(p/100 * n + 0.5), capped at n - 1, of the sorted pauses
-    assert pauses.percentiles_usec((100.0, 99.0, 95.0, 50.0)) == [100, 100, 96, 51]
-    assert pauses.percentile_usec(0.0) == 1
+    assert pauses.percentiles_usec((100.0, 99.0, 95.0, 50.0, 0.0)) == [100, 100, 96, 51, 1]
 
 
 def test_only_the_latest_pauses_are_kept_and_every_one_is_counted():
