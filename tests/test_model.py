@@ -527,6 +527,11 @@ class ChannelMachine(RuleBasedStateMachine):
             assert answer is not None, f"{consumer.name}: the daemon closed the connection"
             consumer.synced_at = sent[consumer]
 
+    def barrier(self, consumer: Consumer) -> None:
+        """Read this consumer's deliveries up to the answer to a FIN of an id no one holds."""
+        consumer.conn.command(b"FIN " + BARRIER_ID)
+        self.read_until(consumer, FRAME_ERROR, b"E_FIN_FAILED")
+
     def settle(self) -> None:
         """Read every consumer until the daemon is stable and /stats agrees with the model."""
         deadline = time.monotonic() + SETTLE_TIMEOUT
@@ -667,8 +672,7 @@ class ChannelMachine(RuleBasedStateMachine):
             copy.state, copy.window = ("deferred", (sent + delay_ms / 1000, math.inf)) if delay_ms else ("queued", None)
             self.model.channel_of(consumer).requeue_count += 1
             consumer.requeue_count += 1
-            consumer.conn.command(b"FIN " + BARRIER_ID)
-            self.read_until(consumer, FRAME_ERROR, b"E_FIN_FAILED")
+            self.barrier(consumer)
             if delay_ms:
                 copy.window = deferred_window(sent, time.monotonic(), delay_ms / 1000)
         self.step(action)
@@ -681,8 +685,7 @@ class ChannelMachine(RuleBasedStateMachine):
             msg_id = self.held_id(consumer, index)
             sent = time.monotonic()
             consumer.conn.command(b"TOUCH " + msg_id)
-            consumer.conn.command(b"FIN " + BARRIER_ID)
-            self.read_until(consumer, FRAME_ERROR, b"E_FIN_FAILED")
+            self.barrier(consumer)
             consumer.held[msg_id].window = (sent + MSG_TIMEOUT, time.monotonic() + MSG_TIMEOUT + SCAN + SLACK)
         self.step(action)
 
