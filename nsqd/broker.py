@@ -145,6 +145,54 @@ def _settled_one(queue, callback: Callable[[PublishError | None], None], error: 
     callback(None if error is None or queue.closed else PublishError(f"not durable: {error}", kind="storage"))
 
 
+class PublishInSteps:
+    """A batch too big to store in one go without stalling every other client, stored a step at a time.
+
+    Each :meth:`step` is one :meth:`Broker.publish`, all or nothing; the
+    front end lets other clients run between steps, so their messages may
+    land between this batch's steps (as they may under Go's topic read
+    lock), while this batch's stay in order. Before the first step the
+    whole batch is checked against a ``reject`` limit. A later step that is
+    refused (a full disk) leaves the steps before it stored, as Go's
+    ``PutMessages`` does, and its error says how many were; the publisher
+    that tries again gets those twice (at least once, never lost). The
+    :meth:`receipt` waits for every queue any step wrote to.
+    """
+
+    def __init__(self, broker: Broker, topic_name: str, total: int) -> None:
+        self.broker = broker
+        self.topic_name = topic_name
+        self.total = total
+        #: messages stored so far
+        self.count = 0
+        self._queues: dict[int, object] = {}
+
+    def step(self, bodies: list) -> None:
+        """Store the next step; raises PublishError (the steps before it stay stored)."""
+        try:
+            if not self.count:
+                self._check_room()
+            receipt = self.broker.publish(self.topic_name, bodies)
+        except PublishError as exc:
+            if self.count:
+                exc.reason = f"{exc.reason} ({self.count} of its {self.total} messages were stored)"
+            raise
+        self.count += receipt.count
+        for queue in receipt.queues:
+            self._queues.setdefault(id(queue), queue)
+
+    def receipt(self) -> Receipt:
+        return Receipt(self.count, list(self._queues.values()))
+
+    def _check_room(self) -> None:
+        topic = self.broker.topics.get(self.topic_name)
+        if topic is not None and topic.policy.overflow == "reject" and topic.bounded:
+            room = topic.room()
+            if room is not None and room < self.total:
+                raise PublishError(f"topic {self.topic_name} is full: {self.total} more message(s) would "
+                                   f"pass its limit (room for {max(room, 0)})", kind="full")
+
+
 class Broker:
     def __init__(self, options: Options) -> None:
         self.options = options
@@ -605,8 +653,10 @@ class Broker:
         except OSError:  # each queue lists the directory itself, and says what failed
             self._listing = None
         path = self.data_path / METADATA_FILE
-        if not path.exists():
-            return
+        if path.exists():
+            self._load_metadata_file(path)
+
+    def _load_metadata_file(self, path: Path) -> None:
         try:
             data = _checked_metadata(path.read_bytes())
         except ValueError as exc:

@@ -25,12 +25,13 @@ import structlog
 import trio
 
 from . import auth, http_server, message, metrics, policy, stats
-from .broker import PublishError
+from .broker import PublishError, PublishInSteps, Receipt
 from .channel import ChannelExiting
 from .diskq import DiskQueueError
+from .mpub import BadBatch, LinesBatch, MpubBatch, split_lines, split_mpub
 from .names import go_json_text, is_valid_channel_name, is_valid_topic_name
 from .options import OVERFLOW_POLICIES, TLS_REQUIRED, OptionsError, host_of, parse_log_level, split_host_port
-from .protocol_v2 import ClientError, go_millis_ns, split_mpub
+from .protocol_v2 import go_millis_ns
 from .version import NSQD_VERSION
 
 log = structlog.get_logger("nsqd.http")
@@ -335,14 +336,24 @@ class HTTPAPI:
         """The core publish, answered once confirmed: 503 when it is refused or cannot be made durable."""
         try:
             receipt = self.nsqd.publish(topic_name, bodies, defer_ns=defer_ns)
-            if not receipt.confirmed:
-                await receipt.wait()
         except PublishError as exc:
-            if exc.kind == "exiting":
-                raise HTTPError(503, "EXITING") from None
-            if exc.kind == "storage":
-                log.error("publish failed", cmd=cmd, topic=topic_name, error=exc.reason)
-            raise HTTPError(503, f"{cmd}_FAILED: {exc.reason}") from None
+            raise self._publish_error(cmd, topic_name, exc) from None
+        await self._confirmed(cmd, topic_name, receipt)
+
+    async def _confirmed(self, cmd: str, topic_name: str, receipt: Receipt) -> None:
+        if not receipt.confirmed:
+            try:
+                await receipt.wait()
+            except PublishError as exc:
+                raise self._publish_error(cmd, topic_name, exc) from None
+
+    @staticmethod
+    def _publish_error(cmd: str, topic_name: str, exc: PublishError) -> HTTPError:
+        if exc.kind == "exiting":
+            return HTTPError(503, "EXITING")
+        if exc.kind == "storage":
+            log.error("publish failed", cmd=cmd, topic=topic_name, error=exc.reason)
+        return HTTPError(503, f"{cmd}_FAILED: {exc.reason}")
 
     # ------------------------------------------------------------ handlers
     async def ping(self, request: Request) -> str:
@@ -420,21 +431,42 @@ class HTTPAPI:
         body = await request.read_body(opts.max_body_size)
         if len(body) > opts.max_body_size:
             raise HTTPError(413, "BODY_TOO_BIG")
-        if binary:
-            try:
+        try:
+            if binary and not MpubBatch.is_big(body):
                 bodies = split_mpub(body, opts.max_msg_size, opts.max_body_size)
-            except ClientError as err:
-                raise HTTPError(413, err.code.removeprefix("E_")) from None
-        else:
-            # one message per line; empty lines are skipped, as nsqd does
-            bodies = [line for line in body.split(b"\n") if line]
-            if any(len(line) > opts.max_msg_size for line in bodies):
-                raise HTTPError(413, "MSG_TOO_BIG")
+            elif not binary and not LinesBatch.is_big(body):
+                bodies = split_lines(body, opts.max_msg_size)
+            else:
+                await self._publish_big(topic_name, MpubBatch(body, opts.max_msg_size, opts.max_body_size)
+                                        if binary else LinesBatch(body, opts.max_msg_size))
+                return "OK"
+        except BadBatch as err:
+            raise HTTPError(413, err.code.removeprefix("E_")) from None
         if not bodies:  # nsqd creates the topic all the same
             self._get_topic(topic_name)
             return "OK"
         await self._publish("MPUB", topic_name, bodies)
         return "OK"
+
+    async def _publish_big(self, topic_name: str, batch: MpubBatch | LinesBatch) -> None:
+        """A big batch (see ``nsqd/mpub.py``): validated, then stored a step at a time, other
+        requests and clients served between steps."""
+        for _ in batch.validate():
+            await trio.lowlevel.checkpoint()
+        if not batch.count:
+            self._get_topic(topic_name)
+            return
+        publish = PublishInSteps(self.nsqd, topic_name, batch.count)
+        first = True
+        for bodies in batch.steps():
+            if not first:
+                await trio.lowlevel.checkpoint()
+            first = False
+            try:
+                publish.step(bodies)
+            except PublishError as exc:
+                raise self._publish_error("MPUB", topic_name, exc) from None
+        await self._confirmed("MPUB", topic_name, publish.receipt())
 
     async def topic_create(self, request: Request) -> None:
         self._get_topic(self._topic_arg(request.query()))

@@ -28,19 +28,21 @@ import json
 import math
 import re
 import struct
+from itertools import chain
 from typing import TYPE_CHECKING
 
 import structlog
 
 from . import message
-from .broker import PublishError, SubscribeError
+from .broker import PublishError, PublishInSteps, SubscribeError
 from .client_v2 import STATE_CLOSING, STATE_INIT, STATE_SUBSCRIBED, ClientV2
+from .mpub import BadBatch, MpubBatch, split_mpub
 from .names import go_json_text, is_valid_channel_name, is_valid_topic_name
 from .options import TLS_NOT_REQUIRED
 from .version import NSQD_VERSION
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
     from .broker import Broker, Receipt
     from .staging import PublishBatch, StagedPublish
@@ -70,6 +72,7 @@ PARSE_ERROR = b"!ERR"
 _BODY_COMMANDS = frozenset((b"PUB", b"MPUB", b"DPUB", b"IDENTIFY", b"AUTH"))
 _I32 = struct.Struct(">i")
 _OK = message.encode_response(b"OK")
+_DONE = object()
 _CLOSE_WAIT = message.encode_response(b"CLOSE_WAIT")
 HEARTBEAT = message.encode_response(b"_heartbeat_")
 
@@ -309,9 +312,11 @@ class ProtocolV2:
         #: answers held back behind an unconfirmed publish, in order (see :meth:`answer`)
         self.held: list[bytes | Unconfirmed] = []
         #: async steps the I/O layer must perform before :meth:`resume`:
-        #: ("tls",), ("snappy",), ("deflate", level), ("auth",)
+        #: ("tls",), ("snappy",), ("deflate", level), ("auth",), ("steps",) (a big MPUB: :meth:`publish_step`)
         self.pending: list[tuple] = []
         self._stash: list[tuple[bytes, list, bytes | None]] = []
+        #: a big MPUB being validated and stored a step at a time: its steps and its publish
+        self._big_mpub: tuple[Iterator, PublishInSteps] | None = None
         #: the topic of the last single PUB staged by :meth:`stage_single_pub`, as sent and as checked
         self._pub_topic_raw: bytes | None = None
         self._pub_topic = ""
@@ -380,8 +385,10 @@ class ProtocolV2:
         return self.parser.more and not self.closed
 
     def resume(self, now_ns: int) -> None:
-        """Go on with the commands that waited for the pending steps."""
+        """Go on with the commands that waited for the pending steps (none after a fatal error)."""
         commands, self._stash = self._stash, []
+        if self.closed:
+            return
         self._run(commands, now_ns)
 
     def _run(self, commands: list[tuple[bytes, list, bytes | None]], now_ns: int) -> None:
@@ -425,11 +432,8 @@ class ProtocolV2:
                 self._stash = commands[index:]
                 return
             except ClientError as err:
-                log.log(30 if err.fatal else 20, "client error", client=client.remote_address,
-                        error=str(err))
-                out.append(message.encode_error(str(err).encode()))
+                self._client_error(err, out)
                 if err.fatal:
-                    self.closed = True
                     return
                 continue
             if response is not None:
@@ -439,6 +443,12 @@ class ProtocolV2:
             if self.pending:
                 self._stash = commands[index + 1:]
                 return
+
+    def _client_error(self, err: ClientError, out: list) -> None:
+        log.log(30 if err.fatal else 20, "client error", client=self.client.remote_address, error=str(err))
+        out.append(message.encode_error(str(err).encode()))
+        if err.fatal:
+            self.closed = True
 
     def answer(self, unconfirmed: Unconfirmed, error: str | None) -> bytes:
         """The frame for a held publish once its receipt is settled (``error``: why it failed)."""
@@ -745,7 +755,51 @@ class ProtocolV2:
         topic_name = _checked_topic(params)
         self._check_auth("MPUB", topic_name)
         opts = self.nsqd.options
-        return self._publish(topic_name, "MPUB", split_mpub(body, opts.max_msg_size, opts.max_body_size), 0)
+        try:
+            if not MpubBatch.is_big(body):
+                return self._publish(topic_name, "MPUB", split_mpub(body, opts.max_msg_size, opts.max_body_size), 0)
+            batch = MpubBatch(body, opts.max_msg_size, opts.max_body_size)
+        except BadBatch as err:
+            raise ClientError(err.code, err.desc) from None
+        # a big batch: validated, then stored a step at a time, other clients served between steps
+        self._big_mpub = (chain(batch.validate(), batch.steps()), PublishInSteps(self.nsqd, topic_name, batch.count))
+        self.pending.append(("steps",))
+        return None
+
+    def publish_step(self) -> bool:
+        """One step of a big ``MPUB`` (see ``nsqd/mpub.py``); False once it is answered.
+
+        The I/O layer lets other tasks run between steps. Commands after the
+        ``MPUB`` wait in the stash, as for any pending step.
+        """
+        steps, publish = self._big_mpub
+        out = self.held if self.held else self.client.out
+        try:
+            bodies = next(steps, _DONE)
+            if bodies is None:  # still validating
+                return True
+            if bodies is not _DONE:
+                publish.step(bodies)
+                return True
+        except BadBatch as err:
+            error = ClientError(err.code, err.desc)
+        except PublishError as exc:
+            error = ClientError("E_MPUB_FAILED", f"MPUB failed {exc.reason}", fatal=False)
+        else:
+            error = None
+        self._big_mpub = None
+        if error is not None:
+            self._client_error(error, out)
+            self.client.flush_now = True
+            return False
+        receipt = publish.receipt()
+        if receipt.confirmed:
+            self.client.pub_counts.add(publish.topic_name, receipt.count)
+            out.append(_OK)
+            self.client.flush_now = True
+        else:
+            self.held.append(Unconfirmed(receipt, "MPUB", publish.topic_name))
+        return False
 
     def _publish(self, topic_name: str, cmd: str, bodies, defer_ns: int):
         batch = self.batch
@@ -759,61 +813,6 @@ class ProtocolV2:
             return Unconfirmed(receipt, cmd, topic_name)
         self.client.pub_counts.add(topic_name, receipt.count)
         return _OK
-
-
-def split_mpub(body: bytes, max_msg_size: int, max_body_size: int) -> list[memoryview]:
-    """The message bodies of an MPUB body (views into it, no copies), validating it whole.
-
-    Nothing is published unless the whole body is valid; the errors are
-    nsqd's (``ClientError`` with its code and text).
-    """
-    if len(body) < 4:
-        raise ClientError("E_BAD_BODY", "MPUB failed to read message count")
-    count = _I32.unpack_from(body, 0)[0]
-    max_messages = (max_body_size - 4) // 5
-    if count <= 0 or count > max_messages:
-        raise ClientError("E_BAD_BODY", f"MPUB invalid message count {count}")
-    view = memoryview(body)
-    end = len(body)
-    if end >= 8:
-        size = _I32.unpack_from(body, 4)[0]
-        step = size + 4
-        if 0 < size <= max_msg_size and end - 4 == count * step and _sizes_all(body, step, count):
-            # every message the same size (the usual batch): cut in C, no Python loop
-            return list(map(view.__getitem__, map(slice, range(8, end, step), range(8 + size, end + 1, step))))
-    unpack = _I32.unpack_from
-    bodies = []
-    append = bodies.append
-    pos = 4
-    last_size = None  # not -1: a size of -1 must be checked too
-    for index in range(count):
-        if pos + 4 > end:
-            raise ClientError("E_BAD_MESSAGE", f"MPUB failed to read message({index}) body size")
-        size = unpack(body, pos)[0]
-        pos += 4
-        if size != last_size:
-            if size <= 0:
-                raise ClientError("E_BAD_MESSAGE", f"MPUB invalid message({index}) body size {size}")
-            if size > max_msg_size:
-                raise ClientError("E_BAD_MESSAGE", f"MPUB message too big {size} > {max_msg_size}")
-            last_size = size
-        stop = pos + size
-        if stop > end:
-            raise ClientError("E_BAD_MESSAGE", "MPUB failed to read message body")
-        append(view[pos:stop])
-        pos = stop
-    if pos != end:
-        raise ClientError("E_BAD_BODY", f"MPUB body has {end - pos} bytes after its {count} messages")
-    return bodies
-
-
-def _sizes_all(body: bytes, step: int, count: int) -> bool:
-    """Whether every size field of an MPUB body of ``count`` messages ``step - 4`` bytes long is
-    the first one: each of the four bytes compared at once across the batch (strided slices)."""
-    for j in range(4):
-        if body[4 + j::step] != body[4 + j:5 + j] * count:
-            return False
-    return True
 
 
 #: IDENTIFY's fields, typed as nsqd's identifyDataV2 types them (leases is our

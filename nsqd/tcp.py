@@ -582,11 +582,15 @@ class Connection:
         self.client.flush_now = True
 
     async def _perform(self, step: tuple) -> None:
-        """One async step a command asked for: a stream upgrade or an auth query."""
+        """One async step a command asked for: a stream upgrade, an auth query or a big MPUB's steps."""
         client = self.client
         kind = step[0]
         if kind == "auth":
             await self._authorize()
+            return
+        if kind == "steps":  # a big MPUB: every other task runs between its steps
+            while self.protocol.publish_step():
+                await trio.lowlevel.checkpoint()
             return
         async with self._turn.held():  # no pump writes while the stream is replaced
             if kind == "tls":

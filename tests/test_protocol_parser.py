@@ -5,9 +5,9 @@ import struct
 import pytest
 from hypothesis import given, strategies as st
 
+from nsqd.mpub import BadBatch, split_mpub
 from nsqd.protocol_v2 import (
-    FIN_BATCH, FINS_PER_COMMAND, MAX_LINE, PARSE_ERROR, STEP_COMMANDS, ClientError, V2Parser, go_base10, go_int64, go_millis_ns,
-    split_mpub,
+    FIN_BATCH, FINS_PER_COMMAND, MAX_LINE, PARSE_ERROR, STEP_COMMANDS, V2Parser, go_base10, go_int64, go_millis_ns,
 )
 
 MID = b"0123456789abcdef"
@@ -223,9 +223,9 @@ def test_split_mpub_returns_every_body_whatever_the_sizes(bodies):
 def test_split_mpub_checks_every_size_even_when_the_total_looks_uniform():
     # three sizes 2, 1, 3 fill exactly as much as three of size 2 would
     assert [bytes(b) for b in split_mpub(_mpub_body([b"ab", b"c", b"def"]), 100, 10_000)] == [b"ab", b"c", b"def"]
-    with pytest.raises(ClientError, match="MPUB message too big 101 > 100"):
+    with pytest.raises(BadBatch, match="MPUB message too big 101 > 100"):
         split_mpub(_mpub_body([b"a" * 50, b"b" * 101, b"c"]), 100, 10_000)
-    with pytest.raises(ClientError, match="MPUB body has 1 bytes after its 3 messages"):
+    with pytest.raises(BadBatch, match="MPUB body has 1 bytes after its 3 messages"):
         split_mpub(_mpub_body([b"ab"] * 3) + b"x", 100, 10_000)
-    with pytest.raises(ClientError, match="MPUB message too big 200 > 100"):
+    with pytest.raises(BadBatch, match="MPUB message too big 200 > 100"):
         split_mpub(_mpub_body([b"x" * 200] * 4), 100, 10_000)  # uniform but too big: the careful path's error

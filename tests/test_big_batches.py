@@ -1,0 +1,148 @@
+"""Batches of more than STEP_MESSAGES messages (``nsqd/mpub.py``): validated whole, stored a
+step at a time, every other client served between steps, the answer once all are stored."""
+
+from __future__ import annotations
+
+import signal
+import struct
+
+import pytest
+import trio
+
+from nsqd.mpub import STEP_MESSAGES
+
+from .conftest import HTTPClient, http_port
+from .support import Daemon, NSQConnection, mpub_body, tcp_port
+from .test_bounded_memory import Subprocess
+
+ONE_BYTE_MAX = (5 * 1024 * 1024 - 4) // 5  # the most messages a default --max-body-size MPUB holds
+
+
+def _one_byte_mpub(count: int) -> bytes:
+    return struct.pack(">i", count) + b"\x00\x00\x00\x01x" * count
+
+
+async def _depth(port: int, topic: str) -> int:
+    stats = (await HTTPClient(port).get(f"/stats?format=json&topic={topic}")).json()
+    return sum(t["depth"] for t in stats["topics"])
+
+
+async def test_other_clients_are_served_while_a_big_mpub_is_stored(tmp_path):
+    daemon = Daemon(tmp_path / "data")
+    try:
+        await daemon.wait_ready()
+        consumer = await NSQConnection.open(daemon.port)
+        await consumer.sub("big", "c")
+        await consumer.command("RDY 1")
+        probe = await NSQConnection.open(daemon.port)
+        publisher = await NSQConnection.open(daemon.port)
+        events: list[str] = []
+
+        async def consume():
+            msg = await consumer.read_message(timeout=30)
+            assert msg.body == b"x"
+            events.append("message")
+
+        async def publish():
+            await publisher.command("MPUB big", _one_byte_mpub(ONE_BYTE_MAX))
+            kind, data = await publisher.read_non_heartbeat(timeout=30)
+            assert data == b"OK"
+            events.append("OK")
+
+        async def probing():
+            while "OK" not in events:
+                await probe.pub("probe", b"p")
+                events.append("probe")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(consume)
+            nursery.start_soon(probing)
+            nursery.start_soon(publish)
+        # the batch's first messages went out, and other publishers were answered, before its OK
+        first, done = events.index("message"), events.index("OK")
+        assert first < done, events[-20:]
+        assert events[first:done].count("probe") >= 3, events[first:done + 1]
+    finally:
+        await daemon.stop(signal.SIGKILL)
+
+
+async def test_a_maximal_batch_of_one_byte_messages_takes_a_bounded_share_of_memory(tmp_path):
+    daemon = Subprocess(tmp_path)
+    try:
+        before = daemon.memory_mb()
+        conn = await NSQConnection.open(daemon.tcp)
+        await conn.command("MPUB tcp", _one_byte_mpub(ONE_BYTE_MAX))
+        await conn.expect_response()
+        lines = b"x\n" * (5 * 1024 * 1024 // 2)
+        resp = await HTTPClient(daemon.http).post("/mpub?topic=http", lines)
+        assert (resp.status, resp.body) == (200, b"OK")
+        after = daemon.memory_mb()
+        # the bodies (5 MiB each) and a step at a time; in one go they took about 500 and 700 MiB
+        assert after["VmHWM"] - before["VmRSS"] < 100, (before, after)
+        assert await _depth(daemon.http, "tcp") == ONE_BYTE_MAX
+        assert await _depth(daemon.http, "http") == len(lines) // 2
+    finally:
+        daemon.stop()
+
+
+async def test_a_big_mpub_wrong_at_its_end_stores_nothing(nsqd_server, http):
+    conn = await NSQConnection.open(tcp_port(nsqd_server))
+    body = mpub_body([b"a", b"bb"] * STEP_MESSAGES + [b""])
+    await conn.command("MPUB t", body)
+    await conn.expect_error(f"E_BAD_MESSAGE MPUB invalid message({2 * STEP_MESSAGES}) body size 0")
+    await conn.expect_closed()
+    assert await _depth(http_port(nsqd_server), "t") == 0
+
+
+async def test_a_big_mpub_to_a_topic_without_room_for_all_of_it_is_refused_whole(nsqd_server, http):
+    nsqd_server.set_topic_policy(nsqd_server.get_topic("t"), {"max_messages": 2 * STEP_MESSAGES, "overflow": "reject"})
+    conn = await NSQConnection.open(tcp_port(nsqd_server))
+    await conn.command("MPUB t", mpub_body([b"m"] * (2 * STEP_MESSAGES + 1)))
+    await conn.expect_error(f"E_MPUB_FAILED MPUB failed topic t is full: {2 * STEP_MESSAGES + 1} more")
+    assert await _depth(http_port(nsqd_server), "t") == 0
+    await conn.pub("t", b"still served")  # not fatal
+    assert await _depth(http_port(nsqd_server), "t") == 1
+
+
+async def test_commands_after_a_big_mpub_are_answered_after_it_in_order(nsqd_server, http):
+    conn = await NSQConnection.open(tcp_port(nsqd_server))
+    count = 3 * STEP_MESSAGES + 5
+    await conn.send(b"MPUB t\n" + struct.pack(">i", count * 5 + 4) + _one_byte_mpub(count)
+                    + b"PUB after\n\x00\x00\x00\x01y" + b"BOGUS\n")
+    await conn.expect_response()
+    await conn.expect_response()
+    await conn.expect_error("E_INVALID invalid command BOGUS")
+    assert await _depth(http_port(nsqd_server), "t") == count
+    assert await _depth(http_port(nsqd_server), "after") == 1
+
+
+async def test_big_http_batches_are_stored_whole_or_refused_whole(nsqd_server, http):
+    count = 2 * STEP_MESSAGES + 1
+    resp = await http.post("/mpub?topic=lines", b"ab\n\n" * count + b"y" * (nsqd_server.options.max_msg_size + 1))
+    assert (resp.status, resp.json()) == (413, {"message": "MSG_TOO_BIG"})
+    resp = await http.post("/mpub?topic=binary&binary=true", mpub_body([b"a", b"bb"] * count + [b""]))
+    assert (resp.status, resp.json()) == (413, {"message": "BAD_MESSAGE"})
+    assert await _depth(http_port(nsqd_server), "lines") == await _depth(http_port(nsqd_server), "binary") == 0
+    resp = await http.post("/mpub?topic=lines", b"ab\n\n" * count)
+    assert (resp.status, resp.body) == (200, b"OK")
+    resp = await http.post("/mpub?topic=binary&binary=true", mpub_body([b"a", b"bb"] * count))
+    assert (resp.status, resp.body) == (200, b"OK")
+    assert await _depth(http_port(nsqd_server), "lines") == count
+    assert await _depth(http_port(nsqd_server), "binary") == 2 * count
+
+
+@pytest.mark.parametrize("flags", [["--mem-queue-size=0"], ["--durable"]], ids=["mem-queue-size=0", "durable"])
+async def test_a_confirmed_big_mpub_survives_a_sigkill(tmp_path, flags):
+    count = 5 * STEP_MESSAGES + 3
+    daemon = Subprocess(tmp_path, *flags)
+    try:
+        conn = await NSQConnection.open(daemon.tcp)
+        await conn.mpub("t", [b"%d" % i for i in range(count)])
+    finally:
+        daemon.proc.kill()
+        daemon.stop()
+    daemon = Subprocess(tmp_path, *flags)
+    try:
+        assert await _depth(daemon.http, "t") == count
+    finally:
+        daemon.stop()
