@@ -653,8 +653,11 @@ class Broker:
         except OSError:  # each queue lists the directory itself, and says what failed
             self._listing = None
         path = self.data_path / METADATA_FILE
+        for stale in self.data_path.glob(f"{METADATA_FILE}.*.tmp"):  # a save a crash cut short
+            stale.unlink(missing_ok=True)
         if path.exists():
             self._load_metadata_file(path)
+        self._adopt_unlisted_queues()
 
     def _load_metadata_file(self, path: Path) -> None:
         try:
@@ -662,8 +665,8 @@ class Broker:
         except ValueError as exc:
             raise MetadataError(
                 f"{path} is not valid nsqd metadata ({exc}): move it aside to start without it (topics and "
-                f"channels come back on first use, their queued messages stay on disk) or restore it from a "
-                f"backup") from None
+                f"channels with queues on disk come back at start, with default policies, unpaused) or restore "
+                f"it from a backup") from None
         self.guid = GUIDFactory(self.options.node_id, floor=int(data.get("last_message_id", 0)) + 1)
         self._loading = True
         try:
@@ -679,6 +682,45 @@ class Broker:
         finally:
             self._loading = False
         log.info("metadata loaded", topics=len(self.topics), channels=len(self.channels()))
+
+    def _adopt_unlisted_queues(self) -> None:
+        """Open the queues on disk that ``nsqd.dat`` does not list, with their topics and channels.
+
+        A topic or channel is saved in ``nsqd.dat`` a moment after it is
+        created (the metadata writer), but its first publish is confirmed as
+        soon as its disk queue has the messages: a crash in between leaves
+        confirmed messages in a queue that nothing names. Such a queue (its
+        metadata file and a segment present: a deleted queue loses its
+        segments first) comes back at start, with default policies, unpaused.
+        """
+        listing = self._listing
+        if listing is None:
+            return
+        adopted = []
+        self._loading = True
+        try:
+            for stem in listing.stems(naming.QUEUE_MARKER):
+                names = listing.names(stem)
+                if stem + "meta.json" not in names or not any(
+                        n.endswith(".dat") and n[len(stem):-4].isdigit() for n in names):
+                    continue
+                try:
+                    queue_name = naming.unescape_name(stem[:-len(naming.QUEUE_MARKER)])
+                except ValueError:
+                    continue
+                topic_name, _, channel_name = queue_name.partition(":")
+                if not is_valid_topic_name(topic_name) or (channel_name and not is_valid_channel_name(channel_name)):
+                    continue
+                topic = self.get_topic(topic_name)
+                if channel_name:
+                    topic.get_channel(channel_name)
+                adopted.append(queue_name)
+        finally:
+            self._loading = False
+        if adopted:
+            log.warning("queues missing from nsqd.dat adopted (a crash right after they were created)",
+                        queues=sorted(adopted))
+            self._metadata_dirty.set()
 
     def _declare(self) -> None:
         """Create the topics and channels the configuration declares (``--declare``)."""

@@ -8,6 +8,7 @@ import trio
 
 from .conftest import HTTPClient
 from .support import Daemon, NSQConnection, running_nsqd, tcp_port
+from .test_bounded_memory import Subprocess
 
 
 async def drain(conn: NSQConnection, count: int, timeout: float = 5):
@@ -223,3 +224,45 @@ async def test_a_consumer_that_subscribes_and_sets_rdy_in_one_write_gets_the_bac
             msg = await consumer.read_message(timeout=3)
             assert msg.body == b"m%d" % round_, round_
             await consumer.close()
+
+
+@pytest.mark.parametrize("flags", [["--mem-queue-size=0"], ["--durable"]], ids=["mem-queue-size=0", "durable"])
+async def test_queues_that_nsqd_dat_does_not_list_yet_come_back_after_a_sigkill(tmp_path, flags):
+    """nsqd.dat is saved a moment after a topic or channel appears, but its first publish is
+    confirmed at once: a crash in between must not hide those messages (they are adopted at start)."""
+    daemon = Subprocess(tmp_path, *flags)
+    data = tmp_path / "data"
+    try:
+        http = HTTPClient(daemon.http)
+        assert (await http.post("/topic/create?topic=old")).status == 200
+        assert (await http.post("/topic/create?topic=gone")).status == 200
+        with trio.fail_after(5):
+            while b'"gone"' not in ((data / "nsqd.dat").read_bytes() if (data / "nsqd.dat").exists() else b""):
+                await trio.sleep(0.02)
+        saved = (data / "nsqd.dat").read_bytes()  # as if no later save had happened before the crash
+        conn = await NSQConnection.open(daemon.tcp)
+        await conn.mpub("fresh", [b"a", b"b", b"c"])
+        consumer = await NSQConnection.open(daemon.tcp)
+        await consumer.sub("fresh2", "c")
+        await conn.pub("fresh2", b"d")
+        await conn.pub("gone", b"deleted with its topic")
+        assert (await http.post("/topic/delete?topic=gone")).status == 200
+    finally:
+        daemon.proc.kill()
+        daemon.stop()
+    (data / "nsqd.dat").write_bytes(saved)
+    (data / "nsqd.dat.12345.tmp").write_bytes(saved[:10])  # a save cut short
+    daemon = Subprocess(tmp_path, *flags)
+    try:
+        stats = (await HTTPClient(daemon.http).get("/stats?format=json")).json()
+        topics = {t["topic_name"]: t for t in stats["topics"]}
+        assert set(topics) == {"old", "fresh", "fresh2", "gone"}  # "gone" is in the old nsqd.dat, its files are not
+        assert topics["fresh"]["depth"] == 3
+        assert [(c["channel_name"], c["depth"]) for c in topics["fresh2"]["channels"]] == [("c", 1)]
+        assert topics["gone"]["depth"] == 0
+        assert not (data / "nsqd.dat.12345.tmp").exists()
+        with trio.fail_after(5):  # and they are listed from now on
+            while b'"fresh2"' not in (data / "nsqd.dat").read_bytes():
+                await trio.sleep(0.02)
+    finally:
+        daemon.stop()

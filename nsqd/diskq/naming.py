@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from urllib.parse import unquote_to_bytes
 
 from .errors import DiskQueueError
 
@@ -27,6 +28,17 @@ def escape_name(name: str) -> str:
             f"({len(escaped)} bytes escaped, at most {_MAX_ESCAPED_NAME})"
         )
     return escaped
+
+
+def unescape_name(escaped: str) -> str:
+    """The name :func:`escape_name` made ``escaped`` of; ValueError if it made no such thing."""
+    try:
+        name = unquote_to_bytes(escaped).decode("utf-8")
+        if escape_name(name) == escaped:
+            return name
+    except (UnicodeDecodeError, DiskQueueError):
+        pass
+    raise ValueError(f"{escaped!r} is not an escaped queue name")
 
 
 def fsync_directory(directory: Path) -> None:
@@ -66,6 +78,10 @@ class DirectoryListing:
                 while at >= 0:
                     self._stems.setdefault(name[:at + len(marker)], []).append(name)
                     at = name.find(marker, at + 1)
+
+    def stems(self, marker: str) -> list[str]:
+        """The stems ending in ``marker`` of the queues not yet opened, in order."""
+        return sorted(stem for stem in self._stems if stem.endswith(marker))
 
     def names(self, stem: str) -> list[str]:
         """The names starting with ``stem`` (an empty list if none)."""
