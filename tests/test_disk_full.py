@@ -151,3 +151,29 @@ async def test_shutdown_on_a_full_disk_exits_0_and_keeps_what_it_confirmed(small
         await conn.command(b"FIN " + msg.id)
     assert got and got == confirmed[:len(got)]
     assert await daemon.stop() == 0
+
+
+async def test_a_big_mpub_the_disk_refuses_part_way_says_how_much_it_stored(small_fs):
+    """An MPUB of more than STEP_MESSAGES is stored in steps: a full disk refuses a later step,
+    the steps before it stay stored (each all or nothing), and the error says how many."""
+    from nsqd.mpub import STEP_MESSAGES
+
+    http_port = free_port()
+    daemon = Daemon(small_fs, "--mem-queue-size=0", "--max-bytes-per-file=262144",
+                    f"--http-address=127.0.0.1:{http_port}")
+    await daemon.wait_ready()
+    try:
+        conn = await NSQConnection.open(daemon.port)
+        await conn.sub("t", "c")
+        count = 60_000  # about 5 MiB of records: more than the 3 MiB disk holds
+        await conn.command("MPUB t", _mpub([b"%06d" % i + b"." * 30 for i in range(count)]))
+        error = await conn.expect_error("E_MPUB_FAILED MPUB failed cannot store")
+        stored = int(error.split(b"(")[-1].split()[0])
+        assert error.endswith(b" of its %d messages were stored)" % count), error
+        assert 0 < stored < count and stored % STEP_MESSAGES == 0, error
+        stats = (await HTTPClient(http_port).get("/stats?format=json&topic=t")).json()
+        assert stats["topics"][0]["channels"][0]["depth"] == stored
+        await conn.command("RDY 1")  # the stored steps are there, in order, from the first message
+        assert (await conn.read_message()).body.startswith(b"000000.")
+    finally:
+        assert await daemon.stop() == 0
