@@ -41,6 +41,7 @@ from . import diskq, message, policy, tls
 from .channel import Channel, ChannelExiting
 from .diskq import goimport, naming
 from .guid import GUIDFactory
+from .mpub import STEP_MESSAGES
 from .names import is_valid_channel_name, is_valid_topic_name
 from .options import OVERFLOW_POLICIES, TLS_NOT_REQUIRED, Options, OptionsError
 from .slots import ConnectionSlots
@@ -55,6 +56,8 @@ METADATA_FILE = "nsqd.dat"
 STORAGE_RETRY = 1.0
 #: tries at writing what memory holds at shutdown before it is logged as lost
 SHUTDOWN_RETRIES = 3
+#: fewest messages a step of a big batch holds, however many channels share them
+MIN_STEP_MESSAGES = 1024
 
 
 class PublishError(Exception):
@@ -151,21 +154,27 @@ class PublishInSteps:
     Each :meth:`step` is one :meth:`Broker.publish`, all or nothing; the
     front end lets other clients run between steps, so their messages may
     land between this batch's steps (as they may under Go's topic read
-    lock), while this batch's stay in order. Before the first step the
-    whole batch is checked against a ``reject`` limit. A later step that is
-    refused (a full disk) leaves the steps before it stored, as Go's
-    ``PutMessages`` does, and its error says how many were; the publisher
-    that tries again gets those twice (at least once, never lost). The
-    :meth:`receipt` waits for every queue any step wrote to.
+    lock), while this batch's stay in order. A step holds :attr:`per_step`
+    messages: ``STEP_MESSAGES`` copies in all, whatever the topic's channel
+    count. Before the first step the whole batch (:attr:`total`) is checked
+    against a ``reject`` limit. A later step that is refused (a full disk)
+    leaves the steps before it stored, as Go's ``PutMessages`` does, and its
+    error says how many were; the publisher that tries again gets those
+    twice (at least once, never lost). The :meth:`receipt` waits for every
+    queue any step wrote to.
     """
 
-    def __init__(self, broker: Broker, topic_name: str, total: int) -> None:
+    def __init__(self, broker: Broker, topic_name: str) -> None:
         self.broker = broker
         self.topic_name = topic_name
-        self.total = total
+        #: the batch's message count, set by the front end once it knows it (before the first step)
+        self.total = 0
         #: messages stored so far
         self.count = 0
         self._queues: dict[int, object] = {}
+        topic = broker.topics.get(topic_name)
+        channels = len(topic.channels) if topic is not None else 0
+        self.per_step = max(STEP_MESSAGES // max(channels, 1), MIN_STEP_MESSAGES)
 
     def step(self, bodies: list) -> None:
         """Store the next step; raises PublishError (the steps before it stay stored)."""

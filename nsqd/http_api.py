@@ -437,8 +437,10 @@ class HTTPAPI:
             elif not binary and not LinesBatch.is_big(body):
                 bodies = split_lines(body, opts.max_msg_size)
             else:
-                await self._publish_big(topic_name, MpubBatch(body, opts.max_msg_size, opts.max_body_size)
-                                        if binary else LinesBatch(body, opts.max_msg_size))
+                publish = PublishInSteps(nsqd, topic_name)
+                await self._publish_big(publish, MpubBatch(body, opts.max_msg_size, opts.max_body_size,
+                                                           publish.per_step)
+                                        if binary else LinesBatch(body, opts.max_msg_size, publish.per_step))
                 return "OK"
         except BadBatch as err:
             raise HTTPError(413, err.code.removeprefix("E_")) from None
@@ -448,15 +450,16 @@ class HTTPAPI:
         await self._publish("MPUB", topic_name, bodies)
         return "OK"
 
-    async def _publish_big(self, topic_name: str, batch: MpubBatch | LinesBatch) -> None:
+    async def _publish_big(self, publish: PublishInSteps, batch: MpubBatch | LinesBatch) -> None:
         """A big batch (see ``nsqd/mpub.py``): validated, then stored a step at a time, other
         requests and clients served between steps."""
+        topic_name = publish.topic_name
         for _ in batch.validate():
             await trio.lowlevel.checkpoint()
         if not batch.count:
             self._get_topic(topic_name)
             return
-        publish = PublishInSteps(self.nsqd, topic_name, batch.count)
+        publish.total = batch.count
         first = True
         for bodies in batch.steps():
             if not first:

@@ -758,11 +758,13 @@ class ProtocolV2:
         try:
             if not MpubBatch.is_big(body):
                 return self._publish(topic_name, "MPUB", split_mpub(body, opts.max_msg_size, opts.max_body_size), 0)
-            batch = MpubBatch(body, opts.max_msg_size, opts.max_body_size)
+            publish = PublishInSteps(self.nsqd, topic_name)
+            batch = MpubBatch(body, opts.max_msg_size, opts.max_body_size, publish.per_step)
         except BadBatch as err:
             raise ClientError(err.code, err.desc) from None
         # a big batch: validated, then stored a step at a time, other clients served between steps
-        self._big_mpub = (chain(batch.validate(), batch.steps()), PublishInSteps(self.nsqd, topic_name, batch.count))
+        publish.total = batch.count
+        self._big_mpub = (chain(batch.validate(), batch.steps()), publish)
         self.pending.append(("steps",))
         return None
 

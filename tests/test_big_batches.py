@@ -146,3 +146,20 @@ async def test_a_confirmed_big_mpub_survives_a_sigkill(tmp_path, flags):
         assert await _depth(daemon.http, "t") == count
     finally:
         daemon.stop()
+
+
+async def test_a_step_stores_about_step_messages_copies_whatever_the_channel_count(nsqd_server):
+    from nsqd.broker import MIN_STEP_MESSAGES, PublishInSteps
+
+    topic = nsqd_server.get_topic("t")
+    assert PublishInSteps(nsqd_server, "t").per_step == STEP_MESSAGES == PublishInSteps(nsqd_server, "new").per_step
+    for name in "abcd":
+        topic.get_channel(name)
+    assert PublishInSteps(nsqd_server, "t").per_step == STEP_MESSAGES // 4
+    for index in range(100):
+        topic.get_channel(f"c{index}")
+    assert PublishInSteps(nsqd_server, "t").per_step == MIN_STEP_MESSAGES
+    conn = await NSQConnection.open(tcp_port(nsqd_server))  # and a batch across them is stored whole
+    await conn.command("MPUB t", _one_byte_mpub(STEP_MESSAGES + 1))
+    await conn.expect_response()
+    assert {c.depth for c in topic.channels.values()} == {STEP_MESSAGES + 1}
