@@ -172,9 +172,7 @@ class PublishInSteps:
         #: messages stored so far
         self.count = 0
         self._queues: dict[int, object] = {}
-        topic = broker.topics.get(topic_name)
-        channels = len(topic.channels) if topic is not None else 0
-        self.per_step = max(STEP_MESSAGES // max(channels, 1), MIN_STEP_MESSAGES)
+        self.per_step = broker.messages_per_step(topic_name)
 
     def step(self, bodies: list) -> None:
         """Store the next step; raises PublishError (the steps before it stay stored)."""
@@ -327,6 +325,12 @@ class Broker:
             self._storage_failed(str(exc))
             raise PublishError(f"cannot store: {exc}", kind="storage") from None
         return Receipt(count, queues)
+
+    def messages_per_step(self, topic_name: str) -> int:
+        """Messages a step of a big batch to a topic holds: about ``STEP_MESSAGES`` copies in all."""
+        topic = self.topics.get(topic_name)
+        channels = len(topic.channels) if topic is not None else 0
+        return max(STEP_MESSAGES // max(channels, 1), MIN_STEP_MESSAGES)
 
     def publish_frames(self, topic_name: str, frames: list[bytes]) -> list:
         """Store already-encoded messages (dead letters, redrive): ids and attempts as they are."""

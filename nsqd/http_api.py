@@ -551,14 +551,22 @@ class HTTPAPI:
         if self.nsqd.draining:
             raise HTTPError(503, "EXITING")
         count = _policy_args(query, ("count",)).get("count", source.depth)
-        frames = [message.with_attempts(f, 1) for f in source.take_backlog(count)]
-        if frames:
+        moved = 0
+        per_step = self.nsqd.messages_per_step(target)
+        # in steps, other clients served between them: a dead-letter topic may hold millions
+        while moved < count and not (source.exiting or source.channels or self.nsqd.draining):
+            frames = [message.with_attempts(f, 1) for f in source.take_backlog(min(count - moved, per_step))]
+            if not frames:
+                break
             try:
-                self.nsqd.publish_frames(target, frames)
+                queues = self.nsqd.publish_frames(target, frames)
             except Exception as exc:  # a limit or the disk: the messages go back where they were
                 source.publish(list(map(message.frame_id_of, frames)), frames, 0)
-                raise HTTPError(503, f"MPUB_FAILED: {exc}") from None
-        return {"moved": len(frames), "left": source.depth}
+                raise HTTPError(503, f"MPUB_FAILED: {exc} ({moved} moved before)") from None
+            moved += len(frames)
+            await self._confirmed("MPUB", target, Receipt(len(frames), queues))
+            await trio.lowlevel.checkpoint()
+        return {"moved": moved, "left": source.depth}
 
     async def channel_create(self, request: Request) -> None:
         topic, channel_name = self._topic_and_channel(request)

@@ -23,8 +23,9 @@ def _one_byte_mpub(count: int) -> bytes:
 
 
 async def _depth(port: int, topic: str) -> int:
+    """Messages the topic holds: its own backlog and its channels' queues."""
     stats = (await HTTPClient(port).get(f"/stats?format=json&topic={topic}")).json()
-    return sum(t["depth"] for t in stats["topics"])
+    return sum(t["depth"] + sum(c["depth"] for c in t["channels"]) for t in stats["topics"])
 
 
 async def test_other_clients_are_served_while_a_big_mpub_is_stored(tmp_path):
@@ -163,3 +164,24 @@ async def test_a_step_stores_about_step_messages_copies_whatever_the_channel_cou
     await conn.command("MPUB t", _one_byte_mpub(STEP_MESSAGES + 1))
     await conn.expect_response()
     assert {c.depth for c in topic.channels.values()} == {STEP_MESSAGES + 1}
+
+
+async def test_a_redrive_of_a_million_dead_letters_moves_them_in_steps_in_bounded_memory(tmp_path):
+    daemon = Subprocess(tmp_path)
+    try:
+        conn = await NSQConnection.open(daemon.tcp)
+        await conn.command("MPUB dead", _one_byte_mpub(ONE_BYTE_MAX))  # a topic without channels keeps them
+        await conn.expect_response()
+        http = HTTPClient(daemon.http)
+        assert (await http.post("/topic/create?topic=live")).status == 200
+        assert (await http.post("/channel/create?topic=live&channel=c")).status == 200
+        before = daemon.memory_mb()
+        resp = await http.post("/topic/redrive?topic=dead&to=live")
+        assert resp.json() == {"moved": ONE_BYTE_MAX, "left": 0}
+        after = daemon.memory_mb()
+        assert after["VmHWM"] - before["VmRSS"] < 60, (before, after)  # all in one go took about 330 MiB
+        assert await _depth(daemon.http, "live") == ONE_BYTE_MAX
+        resp = await http.post("/topic/redrive?topic=dead&to=live")
+        assert resp.json() == {"moved": 0, "left": 0}
+    finally:
+        daemon.stop()
