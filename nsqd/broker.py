@@ -40,6 +40,7 @@ import trio
 from . import diskq, message, policy, tls
 from .channel import Channel, ChannelExiting
 from .diskq import goimport, naming
+from .diskq.trash import TrashBin
 from .guid import GUIDFactory
 from .mpub import STEP_MESSAGES
 from .names import is_valid_channel_name, is_valid_topic_name
@@ -240,6 +241,8 @@ class Broker:
         #: the run's clock (``trio.current_time`` without its two wrappers: now_ns runs a few times a PUB)
         self._clock: trio.abc.Clock | None = None
         self._queues_nursery: trio.Nursery | None = None
+        #: segments of emptied and deleted queues, unlinked in a worker thread (see diskq/trash.py)
+        self._trash = TrashBin()
         self._backend_scopes: dict[int, trio.CancelScope] = {}
         self._backlog: deque[Topic] = deque()
         self._backlog_lot = trio.lowlevel.ParkingLot()
@@ -548,7 +551,8 @@ class Broker:
         except OSError as exc:  # the directory cannot be listed or read (out of descriptors, I/O error)
             raise diskq.DiskQueueError(f"disk queue {queue_name!r}: cannot take over Go nsqd's files in "
                                        f"{self.data_path}: {exc}") from exc
-        backend = diskq.DiskQueue(queue_name, self.data_path, present_files=present, **self._disk_queue_options())
+        backend = diskq.DiskQueue(queue_name, self.data_path, present_files=present, trash=self._trash,
+                                  **self._disk_queue_options())
         if listing is not None:  # opened: from now on its files are its own business
             listing.forget(stem)
             listing.forget(go_stem)
@@ -904,6 +908,8 @@ class Broker:
         self.data_path.mkdir(parents=True, exist_ok=True)
         async with trio.open_nursery() as queues:
             self._queues_nursery = queues
+            self._trash.sweep(self.data_path)
+            queues.start_soon(self._trash.run)
             self.load_metadata()  # outside the try: a file we cannot read must not be overwritten on the way out
             try:
                 self._declare()

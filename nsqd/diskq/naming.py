@@ -52,6 +52,8 @@ def fsync_directory(directory: Path) -> None:
 
 #: what this disk queue puts between a queue's escaped name and the rest of its file names
 QUEUE_MARKER = ".diskq."
+#: what a segment of an emptied or deleted queue is renamed with until it is unlinked (see trash.py)
+TRASH_SUFFIX = ".trash"
 
 
 def queue_stem(name: str) -> str:
@@ -111,6 +113,9 @@ class QueueFiles:
 
     def segment_path(self, segment: int) -> Path:
         return self.directory / f"{self._stem}{segment:06d}.dat"
+
+    def trash_path(self, segment: int) -> Path:
+        return self.directory / f"{self._stem}{segment:06d}.dat{TRASH_SUFFIX}"
 
     def list_segments(self) -> list[int]:
         """Numbers of the segment files present, oldest first."""

@@ -49,6 +49,8 @@ from .writer import SegmentWriter
 if TYPE_CHECKING:
     import outcome  # trio's own dependency: the type of what a worker thread hands back
 
+    from .trash import TrashBin
+
 logger = structlog.get_logger("nsqd.diskq")
 
 #: what a keeper returns: the read records still held (as kept intervals) and how many records they are
@@ -118,6 +120,7 @@ class DiskQueue:
         sync_every: int = 2500,
         sync_timeout: float = 2.0,
         present_files: list[str] | None = None,
+        trash: TrashBin | None = None,
     ) -> None:
         if not 0 <= min_msg_size <= max_msg_size <= MAX_RECORD_LENGTH:
             raise ValueError(
@@ -135,6 +138,8 @@ class DiskQueue:
         self._sync_every = sync_every
         self._sync_timeout = sync_timeout
         self._files = QueueFiles(data_path, name, present_files)
+        #: where emptied and deleted segments go to be unlinked off the loop (None: unlinked here)
+        self._trash = trash
         self._log = logger.bind(queue=name)
         try:
             self._lock_fd = acquire_queue_lock(self._files.lock_path, name)
@@ -819,8 +824,7 @@ class DiskQueue:
             self._end_filter()
             self._reserved.clear()
             doomed = self._files.list_segments()
-            for segment in doomed:
-                _unlink_if_present(self._files.segment_path(segment))
+            self._discard_segments(doomed)
             self._depth = 0
             self._oldest_segment = fresh
             self._release = self._reader.position
@@ -867,14 +871,32 @@ class DiskQueue:
             if self._closed:  # closed earlier: hold the lock again while removing
                 self._lock_fd = acquire_queue_lock(self._files.lock_path, self.name)
             self._shut()
-            for segment in self._files.list_segments():
-                _unlink_if_present(self._files.segment_path(segment))
+            self._discard_segments(self._files.list_segments())
             metadata = self._files.metadata_path
             for path in (metadata, metadata.with_name(metadata.name + ".tmp"), self._files.checkpoint_path,
                          self._files.lock_path):
                 _unlink_if_present(path)
         self._log.info("diskq_deleted")
         self._release_waiters(DiskQueueError(f"disk queue {self.name!r} was deleted"))
+
+    def _discard_segments(self, segments: list[int]) -> None:
+        """Remove these segments from the queue: renamed into the trash bin, or unlinked here."""
+        trashed = []
+        for segment in segments:
+            path = self._files.segment_path(segment)
+            if self._trash is not None:
+                try:
+                    os.replace(path, trash := self._files.trash_path(segment))
+                except FileNotFoundError:
+                    continue
+                except OSError:  # not renamed: gone the slow way
+                    pass
+                else:
+                    trashed.append(trash)
+                    continue
+            _unlink_if_present(path)
+        if trashed:
+            self._trash.discard(trashed)
 
     def _shut(self) -> None:
         self._checkpoint_file.close()
