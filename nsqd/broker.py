@@ -201,6 +201,16 @@ class PublishInSteps:
                                    f"pass its limit (room for {max(room, 0)})", kind="full")
 
 
+class _SaveDone:
+    """One save of nsqd.dat: its event is set when it ended; ``failed`` if it could not be written."""
+
+    __slots__ = ("event", "failed")
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        self.failed = False
+
+
 class Broker:
     def __init__(self, options: Options) -> None:
         self.options = options
@@ -247,6 +257,10 @@ class Broker:
         self._backlog: deque[Topic] = deque()
         self._backlog_lot = trio.lowlevel.ParkingLot()
         self._metadata_dirty = trio.Event()
+        #: changes asked to be saved so far, and how many of them the last finished save held
+        self._metadata_changes = 0
+        self._metadata_saved = 0
+        self._metadata_save_done = _SaveDone()
         self._loading = False
         #: the data directory as listed at start, less the queues opened since: a queue found
         #: nowhere in it has no files (a queue deleted since took its own), so opening a new
@@ -638,7 +652,21 @@ class Broker:
 
     def persist_metadata_soon(self) -> None:
         if not self._loading:
+            self._metadata_changes += 1
             self._metadata_dirty.set()
+
+    async def metadata_saved(self, timeout: float = 5.0) -> bool:
+        """Wait until nsqd.dat holds every change made so far (as Go persists a pause before it
+        answers); False once a save failed (the writer retries, /ping says NOK) or after ``timeout``."""
+        wanted = self._metadata_changes
+        with trio.move_on_after(timeout):
+            while self._metadata_saved < wanted:
+                done = self._metadata_save_done
+                await done.event.wait()
+                if done.failed:
+                    return False
+            return True
+        return False
 
     def save_metadata(self) -> None:
         path = self.data_path / METADATA_FILE
@@ -760,13 +788,19 @@ class Broker:
                 with trio.move_on_after(STORAGE_RETRY):
                     await self._metadata_dirty.wait()
             self._metadata_dirty = trio.Event()
+            changes = self._metadata_changes
+            done, self._metadata_save_done = self._metadata_save_done, _SaveDone()
             try:
                 await trio.to_thread.run_sync(self.save_metadata)
             except OSError as exc:
                 self._storage_failed(f"cannot save {self.data_path / METADATA_FILE}: {exc}")
+                done.failed = True
+                done.event.set()
                 self._metadata_dirty.set()
                 await trio.sleep(STORAGE_RETRY)
                 continue
+            self._metadata_saved = changes
+            done.event.set()
             if self.storage_error is not None:
                 failing = [q.failing for q in self.backends() if q.failing]
                 if failing:

@@ -494,6 +494,7 @@ class HTTPAPI:
         else:
             topic.unpause()
         self.nsqd.persist_metadata_soon()
+        await self.nsqd.metadata_saved()  # as Go: a crash right after must not undo it
 
     async def metrics(self, request: Request) -> bytes:
         """Prometheus text format of the same figures as /stats."""
@@ -521,6 +522,7 @@ class HTTPAPI:
                 raise HTTPError(400, "INVALID_ARG_DURABLE")
             changes["durable"] = _BOOL_PARAMS[durable]
         self.nsqd.set_topic_policy(topic, changes)
+        await self.nsqd.metadata_saved()  # a durable policy must outlive a crash right after its 200
         return policy.topic_document(topic.policy)
 
     async def channel_limits(self, request: Request) -> dict:
@@ -530,6 +532,7 @@ class HTTPAPI:
             raise HTTPError(404, "CHANNEL_NOT_FOUND")
         self.nsqd.set_channel_policy(channel, _policy_args(
             request.query(), ("max_messages", "max_bytes", "max_attempts", "message_ttl_ms")))
+        await self.nsqd.metadata_saved()
         return policy.channel_document(channel.policy)
 
     async def topic_redrive(self, request: Request) -> dict:
@@ -593,6 +596,7 @@ class HTTPAPI:
         else:
             channel.unpause()
         self.nsqd.persist_metadata_soon()
+        await self.nsqd.metadata_saved()
 
     async def config(self, request: Request, opt: str) -> Body:
         opts = self.nsqd.options

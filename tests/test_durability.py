@@ -266,3 +266,29 @@ async def test_queues_that_nsqd_dat_does_not_list_yet_come_back_after_a_sigkill(
                 await trio.sleep(0.02)
     finally:
         daemon.stop()
+
+
+async def test_a_pause_or_a_policy_answered_200_survives_a_sigkill_at_once(tmp_path):
+    """As Go persists a pause before it answers: nsqd.dat holds it by the time the 200 goes out."""
+    daemon = Subprocess(tmp_path)
+    try:
+        http = HTTPClient(daemon.http)
+        assert (await http.post("/topic/create?topic=t")).status == 200
+        assert (await http.post("/channel/create?topic=t&channel=c")).status == 200
+        assert (await http.post("/topic/pause?topic=t")).status == 200
+        assert (await http.post("/channel/pause?topic=t&channel=c")).status == 200
+        assert (await http.post("/topic/limits?topic=t&durable=true&max_messages=7")).status == 200
+        assert (await http.post("/channel/limits?topic=t&channel=c&max_attempts=3")).status == 200
+    finally:
+        daemon.proc.kill()  # at once: no time for a later save
+        daemon.stop()
+    daemon = Subprocess(tmp_path)
+    try:
+        stats = (await HTTPClient(daemon.http).get("/stats?format=json&topic=t")).json()["topics"][0]
+        assert stats["paused"] and stats["channels"][0]["paused"]
+        topic = (await HTTPClient(daemon.http).post("/topic/limits?topic=t")).json()
+        assert topic["durable"] is True and topic["max_messages"] == 7, topic
+        channel = (await HTTPClient(daemon.http).post("/channel/limits?topic=t&channel=c")).json()
+        assert channel["max_attempts"] == 3, channel
+    finally:
+        daemon.stop()
