@@ -38,6 +38,7 @@ import structlog
 import trio
 
 from . import diskq, message, policy, tls
+from .body_budget import BodyBudget
 from .channel import Channel, ChannelExiting
 from .diskq import goimport, naming
 from .diskq.trash import TrashBin
@@ -224,6 +225,8 @@ class Broker:
             raise OptionsError("--tls-required needs --tls-cert and --tls-key")
         #: NSQ TCP and AMQP connections share --max-connections
         self.connection_slots = ConnectionSlots(options.max_connections)
+        #: memory for big command bodies being received, over every connection (--max-body-memory)
+        self.body_budget = BodyBudget(options.max_body_memory)
         self.start_time = time.time()
         #: where the front ends listen, filled in by the start-up module (/info and nsqlookupd report them)
         self.tcp_addresses: list[tuple[str, int]] = []

@@ -17,6 +17,7 @@ import re
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
 from urllib.parse import unquote_to_bytes
@@ -25,6 +26,7 @@ import structlog
 import trio
 
 from . import auth, http_server, message, metrics, policy, stats
+from .body_budget import BIG_BODY
 from .broker import PublishError, PublishInSteps, Receipt
 from .channel import ChannelExiting
 from .diskq import DiskQueueError
@@ -428,9 +430,16 @@ class HTTPAPI:
             binary = _BOOL_PARAMS.get(binary_param, True)
             if binary_param not in _BOOL_PARAMS:
                 log.warning("deprecated value used for /mpub binary param", value=binary_param)
-        body = await request.read_body(opts.max_body_size)
-        if len(body) > opts.max_body_size:
-            raise HTTPError(413, "BODY_TOO_BIG")
+        async with self._body_memory(request, opts.max_body_size):
+            body = await request.read_body(opts.max_body_size)
+            if len(body) > opts.max_body_size:
+                raise HTTPError(413, "BODY_TOO_BIG")
+            await self._mpub_body(topic_name, body, binary)
+        return "OK"
+
+    async def _mpub_body(self, topic_name: str, body: bytes, binary: bool) -> None:
+        nsqd = self.nsqd
+        opts = nsqd.options
         try:
             if binary and not MpubBatch.is_big(body):
                 bodies = split_mpub(body, opts.max_msg_size, opts.max_body_size)
@@ -441,14 +450,28 @@ class HTTPAPI:
                 await self._publish_big(publish, MpubBatch(body, opts.max_msg_size, opts.max_body_size,
                                                            publish.per_step)
                                         if binary else LinesBatch(body, opts.max_msg_size, publish.per_step))
-                return "OK"
+                return
         except BadBatch as err:
             raise HTTPError(413, err.code.removeprefix("E_")) from None
         if not bodies:  # nsqd creates the topic all the same
             self._get_topic(topic_name)
-            return "OK"
+            return
         await self._publish("MPUB", topic_name, bodies)
-        return "OK"
+
+    @asynccontextmanager
+    async def _body_memory(self, request: Request, limit: int):
+        """Hold the shared body budget while a big body is read and published (see body_budget.py):
+        its declared size, or ``limit`` for a chunked one."""
+        size = limit if request.content_length is None else min(request.content_length, limit)
+        if size <= BIG_BODY:
+            yield
+            return
+        budget = self.nsqd.body_budget
+        await budget.take(size)
+        try:
+            yield
+        finally:
+            budget.give_back(size)
 
     async def _publish_big(self, publish: PublishInSteps, batch: MpubBatch | LinesBatch) -> None:
         """A big batch (see ``nsqd/mpub.py``): validated, then stored a step at a time, other

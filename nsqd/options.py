@@ -387,6 +387,9 @@ class Options:
     max_msg_timeout: float = _opt("duration", 900.0, "largest message timeout a client may ask for")
     max_msg_size: int = _opt("int", _MIB, "largest single message in bytes")
     max_body_size: int = _opt("int", 5 * _MIB, "largest command body in bytes")
+    max_body_memory: int = _opt(
+        "int", 256 * _MIB, "most bytes of big bodies (over 1 MiB) received at once over all connections; "
+        "a body that would pass it waits for room (0: no limit)")
     max_req_timeout: float = _opt("duration", 3600.0, "largest requeue delay")
     client_timeout: float = _opt(
         "duration", 60.0, "time without a heartbeat response before a client is dropped", exposed=False
@@ -586,6 +589,7 @@ class Options:
             _need(getattr(self, name) > 0, f"{_flag(name)} must be > 0")
         _need(self.max_channel_consumers >= 0, "--max-channel-consumers must be >= 0")
         _need(self.max_connections >= 0, "--max-connections must be >= 0")
+        _need(self.max_body_memory >= 0, "--max-body-memory must be >= 0")
         _need(self.shutdown_grace >= 0, "--shutdown-grace must be >= 0")
         _need(self.overflow_policy in OVERFLOW_POLICIES,
               f"--overflow-policy must be one of {', '.join(OVERFLOW_POLICIES)}")

@@ -124,6 +124,9 @@ class V2Parser:
         self.more = False
         #: commands returned so far (a FIN run counts once): shows progress
         self.parsed = 0
+        #: the size of the body command the buffer starts with, line and body, while its body
+        #: is still arriving (0 otherwise): what the I/O layer reserves for a big one
+        self.awaiting = 0
         self._buf = bytearray()
         self._failed = False
         #: what nsqd refuses a body command for before its line: the connection's state (the
@@ -146,11 +149,13 @@ class V2Parser:
         """Drop whatever is buffered (the connection is gone; a partial body must not linger)."""
         self._buf = bytearray()
         self.more = False
+        self.awaiting = 0
 
     def commands(self, limit: int = STEP_COMMANDS) -> list[tuple[bytes, list, bytes | None]]:
         """Up to ``limit`` complete commands; :attr:`more` tells whether others are buffered."""
         buf = self._buf
         self.more = False
+        self.awaiting = 0
         if self._failed or not buf:
             return []
         out: list[tuple[bytes, list, bytes | None]] = []
@@ -203,6 +208,7 @@ class V2Parser:
                 size = _I32.unpack_from(buf, nl + 1)[0]
                 body_start = nl + 5
                 if body_start + size > end:
+                    self.awaiting = body_start + size - pos
                     break
                 out.append((name, params, bytes(buf[body_start:body_start + size])))
                 pos = body_start + size

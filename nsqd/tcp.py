@@ -70,6 +70,7 @@ from . import auth, message, tls
 from .client_v2 import ClientV2
 from .compression import DeflateStream, SnappyStream
 from .options import host_of, join_host_port
+from .body_budget import BIG_BODY
 from .broker import PublishError
 from .protocol_v2 import HEARTBEAT, MAGIC_V2, ProtocolV2, Unconfirmed
 from .readiness import ReadinessHub
@@ -225,6 +226,8 @@ class Connection:
         self._edge_while_confirming = False
         #: the connection ended: late confirmations must not touch its (maybe reused) descriptor
         self._gone = False
+        #: bytes of the shared body budget held for the big body being received (see body_budget.py)
+        self._body_reserved = 0
         #: when the last command was complete (the read deadline counts from it)
         self._last_command = 0.0
         #: the last read found nothing: wait for the socket before reading
@@ -261,6 +264,7 @@ class Connection:
             self._unwatch()
             self.client.on_wake = _noop
             self.protocol.parser.clear()
+            self._fit_body_reservation()
             log.info("client gone", client=self.client.remote_address, id=self.client.id)
 
     def _wake_pump(self) -> None:
@@ -296,6 +300,10 @@ class Connection:
                 if parser.parsed != parsed:
                     self._last_command = trio.current_time()
             self._expect_command()
+            if not self._fit_body_reservation():  # the deadline keeps running while it waits
+                need = parser.awaiting
+                await self.nsqd.body_budget.take(need)
+                self._body_reserved = need
             data = await self._receive()
             self._read_deadline = math.inf
             if not data:
@@ -344,6 +352,24 @@ class Connection:
                 self._confirmed = trio.Event()
             await self._confirmed.wait()
 
+    def _fit_body_reservation(self) -> bool:
+        """Hold as much of the shared body budget as the partial command now buffered needs
+        (nothing unless its body is big); False if that needs room the budget lacks now."""
+        need = self.protocol.parser.awaiting if not self._gone else 0
+        if need <= BIG_BODY:
+            need = 0
+        held = self._body_reserved
+        if need == held:
+            return True
+        budget = self.nsqd.body_budget
+        if held:
+            budget.give_back(held)
+            self._body_reserved = 0
+        if need and not budget.try_take(need):
+            return False
+        self._body_reserved = need
+        return True
+
     def _expect_command(self) -> None:
         """Start the read deadline for the next command (the pump enforces it)."""
         self._read_deadline = deadline = self._last_command + self._command_time()
@@ -383,7 +409,7 @@ class Connection:
         protocol.receive_data(memoryview(_RECEIVE_BUFFER)[:count], self.nsqd.now_ns())
         if parser.parsed != parsed:
             self._last_command = trio.current_time()
-        if protocol.pending or protocol.more or protocol.closed:
+        if protocol.pending or protocol.more or protocol.closed or not self._fit_body_reservation():
             self._handoff = _PROCESSED
             return False
         if protocol.held:

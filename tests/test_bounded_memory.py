@@ -4,6 +4,7 @@ from /proc: what they make the daemon hold stays bounded (docs/limits.md)."""
 from __future__ import annotations
 
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -145,5 +146,46 @@ async def test_a_reading_consumer_still_gets_every_large_message(tmp_path):
             await conn.command(b"FIN " + msg.id)
         # all of them (memory and disk take turns: not in order), none stuck behind a fill cut short
         assert sorted(seen) == list(range(30))
+    finally:
+        daemon.stop()
+
+
+def _stall_in_a_big_body(port: int, size: int, sent: int) -> socket.socket:
+    """A client that starts an MPUB of ``size`` bytes, sends ``sent`` of them and stalls."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.settimeout(0.05)
+    data = b"  V2MPUB t\n" + struct.pack(">i", size) + b"\x00" * sent
+    try:
+        sock.sendall(data)
+    except TimeoutError:  # the daemon stopped reading: the kernel's buffers are full
+        pass
+    return sock
+
+
+async def test_clients_that_stall_in_big_bodies_hold_at_most_max_body_memory(tmp_path):
+    """40 clients each send 4.9 MB of a 5 MB MPUB body and stall: without the shared budget the
+    daemon held all of it (about 200 MB) until their deadlines; with it, 16 MiB of bodies."""
+    daemon = Subprocess(tmp_path, "--max-body-memory=16777216")
+    try:
+        before = daemon.memory_mb()
+        size = 5 * MIB - 100
+        stalled = await trio.to_thread.run_sync(
+            lambda: [_stall_in_a_big_body(daemon.tcp, size, size - 100_000) for _ in range(40)])
+        await trio.sleep(0.5)
+        after = daemon.memory_mb()
+        assert after["VmHWM"] - before["VmRSS"] < 60, (before, after)
+        # publishes with small bodies are not held up
+        conn = await NSQConnection.open(daemon.tcp)
+        await conn.mpub("small", [b"x" * 1000] * 100)
+        # a big one waits for room, and gets it once the stalled clients go away
+        big = await NSQConnection.open(daemon.tcp)
+        body = struct.pack(">i", 4) + (struct.pack(">i", 1000 * 1000) + b"y" * 1000 * 1000) * 4
+        await big.send(b"MPUB big\n" + struct.pack(">i", len(body)) + body[:1000])
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(big.send, body[1000:])
+            await trio.sleep(0.3)
+            for sock in stalled:
+                sock.close()
+        await big.expect_response()
     finally:
         daemon.stop()

@@ -117,6 +117,7 @@ EXPECTED_DEFAULTS = {
     "message_ttl": 0.0,
     "declare": [],
     "shutdown_grace": 5.0,
+    "max_body_memory": 256 * 1024 * 1024,
     "amqp_address": "",
     "amqps_address": "",
 }
@@ -190,6 +191,7 @@ FLAG_SAMPLES = {
     "output_buffer_timeout": ("100ms", 0.1),
     "max_channel_consumers": ("3", 3),
     "max_connections": ("100", 100),
+    "max_body_memory": ("67108864", 64 * 1024 * 1024),
     "statsd_address": ("127.0.0.1:8125", "127.0.0.1:8125"),
     "statsd_prefix": ("p.%s", "p.%s"),
     "statsd_interval": ("10s", 10.0),
@@ -627,6 +629,7 @@ def test_config_file_values_are_validated(tmp_path, capsys):
         ({"output_buffer_timeout": 0.0}, "--output-buffer-timeout must be > 0"),
         ({"max_channel_consumers": -1}, "--max-channel-consumers must be >= 0"),
         ({"max_connections": -1}, "--max-connections must be >= 0"),
+        ({"max_body_memory": -1}, "--max-body-memory must be >= 0"),
         ({"statsd_interval": 0.0}, "--statsd-interval must be > 0"),
         ({"statsd_udp_packet_size": 0}, "--statsd-udp-packet-size must be > 0"),
         ({"e2e_processing_latency_window_time": 0.0}, "--e2e-processing-latency-window-time must be > 0"),
