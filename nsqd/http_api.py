@@ -441,9 +441,10 @@ class HTTPAPI:
         nsqd = self.nsqd
         opts = nsqd.options
         try:
-            if binary and not MpubBatch.is_big(body):
+            per_step = nsqd.messages_per_step(topic_name)
+            if binary and not MpubBatch.is_big(body, per_step):
                 bodies = split_mpub(body, opts.max_msg_size, opts.max_body_size)
-            elif not binary and not LinesBatch.is_big(body):
+            elif not binary and not LinesBatch.is_big(body, per_step):
                 bodies = split_lines(body, opts.max_msg_size)
             else:
                 publish = PublishInSteps(nsqd, topic_name)

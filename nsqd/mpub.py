@@ -3,9 +3,11 @@
 A batch is validated whole before any of it is published, as nsqd does, and
 its message bodies are views into it or slices of it. Most batches hold
 hundreds of messages and are taken in one go (:func:`split_mpub`,
-:func:`split_lines`). A big one is a :class:`MpubBatch` or
-:class:`LinesBatch`: validated, then handed out, ``STEP_MESSAGES`` messages
-at a time, so that the front end lets every other client run between steps
+:func:`split_lines`). A big one (more messages than a step holds:
+``STEP_MESSAGES``, fewer on a topic with many channels, see
+``Broker.messages_per_step``) is a :class:`MpubBatch` or
+:class:`LinesBatch`: validated, then handed out a step at a time, so that
+the front end lets every other client run between steps
 (``nsqd.broker.PublishInSteps`` stores them). A 5 MiB body of one-byte
 messages is about a million messages: taken in one go, it held the event
 loop for about a second and the daemon's memory at half a gigabyte.

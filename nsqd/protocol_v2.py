@@ -762,7 +762,7 @@ class ProtocolV2:
         self._check_auth("MPUB", topic_name)
         opts = self.nsqd.options
         try:
-            if not MpubBatch.is_big(body):
+            if not MpubBatch.is_big(body, self.nsqd.messages_per_step(topic_name)):
                 return self._publish(topic_name, "MPUB", split_mpub(body, opts.max_msg_size, opts.max_body_size), 0)
             publish = PublishInSteps(self.nsqd, topic_name)
             batch = MpubBatch(body, opts.max_msg_size, opts.max_body_size, publish.per_step)

@@ -3,7 +3,6 @@ step at a time, every other client served between steps, the answer once all are
 
 from __future__ import annotations
 
-import signal
 import struct
 
 import pytest
@@ -12,7 +11,7 @@ import trio
 from nsqd.mpub import STEP_MESSAGES
 
 from .conftest import HTTPClient, http_port
-from .support import Daemon, NSQConnection, mpub_body, tcp_port
+from .support import NSQConnection, mpub_body, tcp_port
 from .test_bounded_memory import Subprocess
 
 ONE_BYTE_MAX = (5 * 1024 * 1024 - 4) // 5  # the most messages a default --max-body-size MPUB holds
@@ -28,15 +27,21 @@ async def _depth(port: int, topic: str) -> int:
     return sum(t["depth"] + sum(c["depth"] for c in t["channels"]) for t in stats["topics"])
 
 
-async def test_other_clients_are_served_while_a_big_mpub_is_stored(tmp_path):
-    daemon = Daemon(tmp_path / "data")
+@pytest.mark.parametrize("channels, count", [(1, ONE_BYTE_MAX), (100, STEP_MESSAGES)],
+                         ids=["one-channel", "100-channels"])
+async def test_other_clients_are_served_while_a_big_mpub_is_stored(tmp_path, channels, count):
+    """With 100 channels a step holds fewer messages (8,192 copies): 8,192 are already stepped."""
+    daemon = Subprocess(tmp_path)
     try:
-        await daemon.wait_ready()
-        consumer = await NSQConnection.open(daemon.port)
+        http = HTTPClient(daemon.http)
+        assert (await http.post("/topic/create?topic=big")).status == 200
+        for index in range(1, channels):
+            assert (await http.post(f"/channel/create?topic=big&channel=c{index}")).status == 200
+        consumer = await NSQConnection.open(daemon.tcp)
         await consumer.sub("big", "c")
         await consumer.command("RDY 1")
-        probe = await NSQConnection.open(daemon.port)
-        publisher = await NSQConnection.open(daemon.port)
+        probe = await NSQConnection.open(daemon.tcp)
+        publisher = await NSQConnection.open(daemon.tcp)
         events: list[str] = []
 
         async def consume():
@@ -45,7 +50,7 @@ async def test_other_clients_are_served_while_a_big_mpub_is_stored(tmp_path):
             events.append("message")
 
         async def publish():
-            await publisher.command("MPUB big", _one_byte_mpub(ONE_BYTE_MAX))
+            await publisher.command("MPUB big", _one_byte_mpub(count))
             kind, data = await publisher.read_non_heartbeat(timeout=30)
             assert data == b"OK"
             events.append("OK")
@@ -64,7 +69,8 @@ async def test_other_clients_are_served_while_a_big_mpub_is_stored(tmp_path):
         assert first < done, events[-20:]
         assert events[first:done].count("probe") >= 3, events[first:done + 1]
     finally:
-        await daemon.stop(signal.SIGKILL)
+        daemon.proc.kill()
+        daemon.stop()
 
 
 async def test_a_maximal_batch_of_one_byte_messages_takes_a_bounded_share_of_memory(tmp_path):
