@@ -523,7 +523,9 @@ class HTTPAPI:
     async def metrics(self, request: Request) -> bytes:
         """Prometheus text format of the same figures as /stats."""
         snapshot = await stats.snapshot_paced(self.nsqd, include_clients=False)
-        return await metrics.render_paced(snapshot, len(self.nsqd.clients))
+        budget = self.nsqd.body_budget
+        return await metrics.render_paced(snapshot, len(self.nsqd.clients),
+                                          (budget.used, budget.capacity, budget.waits))
 
     # ------------------------------------------------- policies beyond nsqd
     async def topic_limits(self, request: Request) -> dict:

@@ -174,6 +174,9 @@ async def test_clients_that_stall_in_big_bodies_hold_at_most_max_body_memory(tmp
         await trio.sleep(0.5)
         after = daemon.memory_mb()
         assert after["VmHWM"] - before["VmRSS"] < 60, (before, after)
+        held = await _metric(daemon.http, "nsqd_body_memory_bytes")
+        assert 0 < held <= 16 * MIB and held % (len(b"MPUB t\n") + 4 + size) == 0  # whole commands that fit
+        assert await _metric(daemon.http, "nsqd_body_memory_waits_total") >= 1
         # publishes with small bodies are not held up
         conn = await NSQConnection.open(daemon.tcp)
         await conn.mpub("small", [b"x" * 1000] * 100)
@@ -187,5 +190,13 @@ async def test_clients_that_stall_in_big_bodies_hold_at_most_max_body_memory(tmp
             for sock in stalled:
                 sock.close()
         await big.expect_response()
+        with trio.fail_after(5):  # every reservation is given back as the stalled connections end
+            while await _metric(daemon.http, "nsqd_body_memory_bytes"):
+                await trio.sleep(0.05)
     finally:
         daemon.stop()
+
+
+async def _metric(http_port: int, name: str) -> float:
+    text = (await HTTPClient(http_port).get("/metrics")).body.decode()
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith(name + " ")))
