@@ -200,3 +200,30 @@ async def test_clients_that_stall_in_big_bodies_hold_at_most_max_body_memory(tmp
 async def _metric(http_port: int, name: str) -> float:
     text = (await HTTPClient(http_port).get("/metrics")).body.decode()
     return float(next(line.split()[1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+async def test_an_http_mpub_waits_for_room_in_the_body_budget_and_then_completes(tmp_path):
+    daemon = Subprocess(tmp_path, "--max-body-memory=6291456")  # 6 MiB: one stalled 5 MB body fills it
+    try:
+        size = 5 * MIB - 100
+        stalled = await trio.to_thread.run_sync(_stall_in_a_big_body, daemon.tcp, size, size - 100_000)
+        lines = b"y" * 999 + b"\n"
+        done = trio.Event()
+
+        async def publish():
+            resp = await HTTPClient(daemon.http).post("/mpub?topic=http", lines * 3000)  # 3 MB
+            assert (resp.status, resp.body) == (200, b"OK")
+            done.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(publish)
+            await trio.sleep(0.5)
+            assert not done.is_set()  # held: the stalled body has the budget
+            assert await _metric(daemon.http, "nsqd_body_memory_waits_total") == 1
+            stalled.close()
+            with trio.fail_after(5):
+                await done.wait()
+        stats = (await HTTPClient(daemon.http).get("/stats?format=json&topic=http")).json()
+        assert stats["topics"][0]["depth"] == 3000
+    finally:
+        daemon.stop()
