@@ -40,6 +40,9 @@ from .session import Session
 
 DEFAULT_MAX_FRAME_SIZE = 128 * 1024
 DEFAULT_CHANNEL_MAX = 255
+#: payload bytes of unfinished multi-frame deliveries one connection may hold over all its links:
+#: each link holds at most one, but a connection may have 256 sessions of 256 links
+MAX_PARTIAL_BYTES = 8 * 1024 * 1024
 #: shortest idle-time-out we keep to: a shorter one would have us send empty frames non-stop (spec 2.4.5
 #: lets a peer refuse an idle timeout it cannot support)
 MIN_PEER_IDLE_TIMEOUT_MS = 100
@@ -102,7 +105,8 @@ class Connection:
                  sasl_required: bool = False, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
                  channel_max: int = DEFAULT_CHANNEL_MAX, idle_timeout: float | None = None,
                  hostname: str | None = None, properties: dict | None = None,
-                 refuse: Error | None = None, step_frames: int = 0) -> None:
+                 refuse: Error | None = None, step_frames: int = 0,
+                 max_partial_bytes: int = MAX_PARTIAL_BYTES) -> None:
         self.client = client
         self.container_id = container_id
         self.sasl = sasl
@@ -117,6 +121,10 @@ class Connection:
         self.refuse = refuse
         #: most frames one :meth:`receive_data` handles (0: every complete one)
         self.step_frames = step_frames
+        #: payload bytes of incoming deliveries spread over several frames, over all links, and
+        #: the most we hold (past it: close with resource-limit-exceeded; 0: no limit)
+        self.partial_bytes = 0
+        self.max_partial_bytes = max_partial_bytes
         #: complete frames are left: call ``receive_data(b"")`` to go on
         self.more = False
         self._frames = None

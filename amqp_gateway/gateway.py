@@ -35,14 +35,14 @@ from nsqd.version import NSQD_VERSION
 
 from . import events as ev
 from .addresses import channel_address, terminus, topic_address
-from .connection import Connection
+from .connection import MAX_PARTIAL_BYTES, Connection
 from .consumer import FILL_BYTES, LinkConsumer
 from .errors import (
     RESOURCE_DELETED, RESOURCE_LIMIT_EXCEEDED, UNAUTHORIZED_ACCESS, LinkRefused,
 )
 from .link import Link
 from .performatives import RCV_FIRST, RCV_SECOND, SND_SETTLED, SND_UNSETTLED, Attach, Error, Source, Target
-from .publisher import LinkPublisher, Pending
+from .publisher import SECTIONS_ALLOWANCE, LinkPublisher, Pending
 from .sasl import Authenticate, SaslServer
 
 if TYPE_CHECKING:
@@ -71,7 +71,10 @@ class GatewayConnection:
         self.engine = Connection(client=False, container_id=CONTAINER_ID, sasl=sasl,
                                  sasl_required=self.auth_enabled, idle_timeout=idle_timeout,
                                  properties={"product": "nsqd-trio", "version": NSQD_VERSION},
-                                 step_frames=STEP_FRAMES)
+                                 step_frames=STEP_FRAMES,
+                                 # room for two of the biggest messages at once, at the least
+                                 max_partial_bytes=max(MAX_PARTIAL_BYTES,
+                                                       2 * (nsqd.options.max_msg_size + SECTIONS_ALLOWANCE)))
         #: the SASL PLAIN password: the secret the auth servers are asked about
         self.auth_secret = ""
         self.auth_state: AuthState | None = None

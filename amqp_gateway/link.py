@@ -59,6 +59,8 @@ class Link:
         # an incoming delivery spread over several frames
         self.partial: list[bytes] | None = None
         self.partial_size = 0
+        #: the bytes of it kept (counted in the connection's ``partial_bytes``)
+        self.partial_held = 0
         self.partial_head: tuple[int, bytes, bool] = (0, b"", False)
         self._transfer_head: dict[int, bytes] = {}
 

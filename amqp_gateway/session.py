@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 from . import serial
 from .codec import UInt
 from .errors import (
-    DECODE_ERROR, FRAMING_ERROR, HANDLE_IN_USE, INVALID_FIELD, NOT_ALLOWED, TRANSFER_LIMIT_EXCEEDED,
-    UNATTACHED_HANDLE, WINDOW_VIOLATION, ConnectionFault, SessionFault,
+    DECODE_ERROR, FRAMING_ERROR, HANDLE_IN_USE, INVALID_FIELD, NOT_ALLOWED, RESOURCE_LIMIT_EXCEEDED,
+    TRANSFER_LIMIT_EXCEEDED, UNATTACHED_HANDLE, WINDOW_VIOLATION, ConnectionFault, SessionFault,
 )
 from .events import LinkAttached, LinkAttaching, LinkDetached, LinkFlow, SessionFlow, Settled, Transfers
 from .framing import encode_frame
@@ -190,9 +190,15 @@ class Session:
         if self.unsettled:
             for did in [d for d, (owner, _) in self.unsettled.items() if owner is link]:
                 del self.unsettled[did]
-        link.partial = None
+        self._drop_partial(link)
         if link.detach_received:
             self._release(link)
+
+    def _drop_partial(self, link: Link) -> None:
+        """The link's unfinished delivery is done with (complete, aborted, or the link gone)."""
+        self.connection.partial_bytes -= link.partial_held
+        link.partial_held = 0
+        link.partial = None
 
     def _release(self, link: Link) -> None:
         if self._awaiting.get((link.name, link.role)) is link:
@@ -319,15 +325,22 @@ class Session:
                 did, tag, _ = link.partial_head
                 link.partial_head = (did, tag, True)
         if aborted:
-            link.partial = None
+            self._drop_partial(link)
             return
         link.partial_size += len(payload)
         limit = link.max_message_size
         if not limit or link.partial_size <= limit:
             partial.append(payload)
+            link.partial_held += len(payload)
+            connection = self.connection
+            connection.partial_bytes += len(payload)
+            if connection.max_partial_bytes and connection.partial_bytes > connection.max_partial_bytes:
+                raise ConnectionFault(RESOURCE_LIMIT_EXCEEDED, (
+                    f"unfinished multi-frame deliveries hold more than {connection.max_partial_bytes} bytes "
+                    f"over this connection's links"))
         if more:
             return
-        link.partial = None
+        self._drop_partial(link)
         did, tag, settled = link.partial_head
         body = None if limit and link.partial_size > limit else b"".join(partial)
         events.append(Transfers(link, [(did, tag, settled, body)]))
@@ -367,6 +380,8 @@ class Session:
 
     def on_end(self) -> None:
         """The peer ended the session: every link is gone with it."""
+        for link in self.by_remote_handle.values():
+            self._drop_partial(link)
         self.end_received = True
         self._awaiting.clear()
         self.by_handle.clear()

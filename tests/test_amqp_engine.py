@@ -442,6 +442,41 @@ def test_aborted_delivery_is_dropped():
     assert [d[1] for e in pair.take("server", ev.Transfers) for d in e.deliveries] == [b"u"]
 
 
+def test_unfinished_deliveries_over_all_links_are_bounded_per_connection():
+    """Each link holds at most one unfinished multi-frame delivery, but a connection may have 256
+    sessions of 256 links: together they may hold at most ``max_partial_bytes``."""
+    pair = Pair(max_partial_bytes=10_000)
+    links = [pair.link(name=f"l{i}") for i in range(4)]
+    for client_link, server_link in links:
+        server_link.flow(credit=5)
+    pair.exchange()
+
+    def start(client_link, tag: bytes, size: int, more: bool = True) -> None:
+        session = client_link.session
+        session.send(p.Transfer(client_link.handle, delivery_id=session.next_outgoing_id, delivery_tag=tag,
+                                message_format=0, settled=True, more=more), b"x" * size)
+        session.frames_sent(1)
+        pair.exchange()
+
+    start(links[0][0], b"a", 4000)
+    start(links[1][0], b"b", 4000)
+    assert pair.server.partial_bytes == 8000
+    session = links[0][0].session
+    session.send(p.Transfer(links[0][0].handle), b"y" * 10)  # the end of "a": given back
+    session.frames_sent(1)
+    pair.exchange()
+    assert [d[1] for e in pair.take("server", ev.Transfers) for d in e.deliveries] == [b"a"]
+    assert pair.server.partial_bytes == 4000
+    links[1][0].detach()  # a detached link's unfinished delivery is given back too
+    pair.exchange()
+    assert pair.server.partial_bytes == 0
+    start(links[2][0], b"c", 6000)
+    start(links[3][0], b"d", 4001)  # 10,001 held: too many
+    (closed,) = pair.take("server", ev.ConnectionClosed)
+    assert closed.error.condition == errors.RESOURCE_LIMIT_EXCEEDED
+    assert "10000 bytes" in closed.error.description
+
+
 def test_a_continuation_may_repeat_the_delivery_id_but_not_change_it():
     """Spec 2.7.5 (transfer, delivery-id): "On continuation transfers the delivery-id MAY be omitted.
     It is an error if the delivery-id on a continuation transfer differs from the delivery-id on the

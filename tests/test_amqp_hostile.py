@@ -3,6 +3,7 @@ frames in the wrong state each get an AMQP error condition; the daemon carries o
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import time
 
@@ -170,4 +171,30 @@ async def test_a_flood_of_tiny_frames_does_not_delay_ping(tmp_path, logs):
                 times.append(time.perf_counter() - start)
             nursery.cancel_scope.cancel()
         assert max(times) < 0.1, sorted(times)
+        await still_serving(nsqd)
+
+
+async def test_unfinished_multi_frame_deliveries_on_many_links_close_the_connection(tmp_path, logs):
+    """Each link may hold one unfinished delivery of up to the max message size; many links at
+    once could hold gigabytes. Past 8 MiB a connection is closed with resource-limit-exceeded."""
+    async with gateway(tmp_path) as nsqd:
+        client = await Client.connect(nsqd.amqp_port)
+        chunk = b"x" * 100_000
+        links = [await client.attach(p.SENDER, f"/topics/t{index}") for index in range(12)]
+        for link in links:  # each 900 KB into a message it never finishes: 10.8 MB in all
+            session = link.session
+            session.send(p.Transfer(link.handle, delivery_id=session.next_outgoing_id, delivery_tag=b"t",
+                                    message_format=0, settled=True, more=True), chunk)
+            for _ in range(8):
+                session.send(p.Transfer(link.handle, more=True), chunk)
+            session.frames_sent(9)
+        try:
+            await client.flush()
+        except trio.BrokenResourceError:  # the gateway closed while we still sent
+            pass
+        with contextlib.suppress(EOFError):
+            await client.until(lambda: client.conn.close_received)
+        (closed,) = client.take(ev.ConnectionClosed)
+        assert closed.error.condition == RESOURCE_LIMIT_EXCEEDED
+        assert "8388608 bytes" in closed.error.description
         await still_serving(nsqd)
