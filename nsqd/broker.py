@@ -195,11 +195,11 @@ class PublishInSteps:
 
     def _check_room(self) -> None:
         topic = self.broker.topics.get(self.topic_name)
-        if topic is not None and topic.policy.overflow == "reject" and topic.bounded:
-            room = topic.room()
-            if room is not None and room < self.total:
-                raise PublishError(f"topic {self.topic_name} is full: {self.total} more message(s) would "
-                                   f"pass its limit (room for {max(room, 0)})", kind="full")
+        if topic is not None:
+            try:
+                topic.check_message_room(self.total)
+            except QueueFull as exc:
+                raise PublishError(str(exc), kind="full") from None
 
 
 class _SaveDone:
@@ -658,18 +658,16 @@ class Broker:
             self._metadata_changes += 1
             self._metadata_dirty.set()
 
-    async def metadata_saved(self, timeout: float = 5.0) -> bool:
+    async def metadata_saved(self, timeout: float = 5.0) -> None:
         """Wait until nsqd.dat holds every change made so far (as Go persists a pause before it
-        answers); False once a save failed (the writer retries, /ping says NOK) or after ``timeout``."""
+        answers), or a save failed (the writer retries, /ping says NOK), or ``timeout`` passed."""
         wanted = self._metadata_changes
         with trio.move_on_after(timeout):
             while self._metadata_saved < wanted:
                 done = self._metadata_save_done
                 await done.event.wait()
                 if done.failed:
-                    return False
-            return True
-        return False
+                    return
 
     def save_metadata(self) -> None:
         path = self.data_path / METADATA_FILE

@@ -203,6 +203,15 @@ class Topic:
         return bool(self.policy.max_messages) or any(
             c.policy.max_messages or c.policy.max_bytes for c in self.channels.values())
 
+    def check_message_room(self, count: int) -> None:
+        """Raise QueueFull if ``count`` more messages would pass a ``reject`` message limit."""
+        if self.policy.overflow == "reject" and self.bounded:
+            room = self.room()
+            if room is not None and count > room:
+                raise QueueFull(
+                    f"topic {self.name} is full: {count} more message(s) would pass its limit "
+                    f"(room for {max(room, 0)})")
+
     @property
     def accepting(self) -> bool:
         if self._disk_full():
@@ -216,12 +225,7 @@ class Topic:
         if self._disk_full():
             raise QueueFull(f"topic {self.name}: the daemon's disk budget (--max-disk-bytes) is used up")
         if self.policy.overflow == "reject" and self.bounded:
-            count = len(frames)
-            room = self.room()
-            if room is not None and count > room:
-                raise QueueFull(
-                    f"topic {self.name} is full: {count} more message(s) would pass its limit "
-                    f"(room for {max(room, 0)})")
+            self.check_message_room(len(frames))
             byte_room = self.byte_room()
             if byte_room is not None and sum(map(len, frames)) > byte_room:
                 raise QueueFull(
