@@ -207,7 +207,6 @@ class GatewayConnection:
 
     # ----------------------------------------------------------------- links
     def _attach(self, link: Link, now_ns: int) -> None:
-        attach = link.remote_attach
         try:
             if link.is_sender:
                 self._attach_consumer(link, now_ns)

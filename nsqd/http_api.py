@@ -441,13 +441,12 @@ class HTTPAPI:
         nsqd = self.nsqd
         opts = nsqd.options
         try:
-            per_step = nsqd.messages_per_step(topic_name)
-            if binary and not MpubBatch.is_big(body, per_step):
+            publish = PublishInSteps(nsqd, topic_name)
+            if binary and not MpubBatch.is_big(body, publish.per_step):
                 bodies = split_mpub(body, opts.max_msg_size, opts.max_body_size)
-            elif not binary and not LinesBatch.is_big(body, per_step):
+            elif not binary and not LinesBatch.is_big(body, publish.per_step):
                 bodies = split_lines(body, opts.max_msg_size)
             else:
-                publish = PublishInSteps(nsqd, topic_name)
                 await self._publish_big(publish, MpubBatch(body, opts.max_msg_size, opts.max_body_size,
                                                            publish.per_step)
                                         if binary else LinesBatch(body, opts.max_msg_size, publish.per_step))

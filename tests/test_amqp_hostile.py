@@ -19,7 +19,7 @@ from amqp_gateway.errors import (
 from amqp_gateway.framing import AMQP_HEADER, SASL_HEADER, encode_frame
 
 from .conftest import HTTPClient, http_port
-from .test_amqp_raw import Client, body_payload, gateway
+from .test_amqp_raw import Client, gateway
 
 OPEN = encode_frame(0, p.Open("hostile").encode_amqp())
 DEEP = "values nested deeper than 64"
