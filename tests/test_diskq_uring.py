@@ -211,3 +211,51 @@ async def test_closing_the_queue_while_a_round_is_in_flight(tmp_path, monkeypatc
     reopened = DiskQueue("q", tmp_path)
     assert reopened.read_many(5) == [b"a", b"b"]
     reopened.close()
+
+
+async def test_the_next_round_is_submitted_before_the_last_ones_waiters_are_answered(tmp_path, monkeypatch):
+    """Answering a round's waiters (an ``OK`` written to each of dozens of connections) takes
+    about as long as a sync: the disk must be syncing the next round meanwhile, not idle."""
+    submitted = counting_submissions(monkeypatch)
+    real_reap = uring.SyncRing.reap
+    rings, held, holding = [], [], [False]
+
+    def reap(self):
+        completed = real_reap(self)
+        rings.append(self)
+        if holding[0]:
+            self.in_flight += len(completed)
+            held.extend(completed)
+            return []
+        self.in_flight -= len(held)
+        completed, held[:] = completed + held, []
+        return completed
+
+    monkeypatch.setattr(uring.SyncRing, "reap", reap)
+    queue = DiskQueue("q", tmp_path)
+    answered = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(queue.run)
+        queue.put(b"a")
+        await queue.wait_durable()  # the segment's first round: in a thread, for its directory entry
+        before = len(submitted)
+        holding[0] = True
+        queue.put(b"b")
+        queue.on_durable(lambda error: answered.append(("b", error, len(submitted))))
+        with trio.fail_after(5):
+            while not held:  # b's round synced; its completion is held back
+                await trio.sleep(0.001)
+        queue.put(b"c")  # joins the next round
+        queue.on_durable(lambda error: answered.append(("c", error, len(submitted))))
+        holding[0] = False
+        os.eventfd_write(rings[-1].fileno, 1)
+        with trio.fail_after(5):
+            while len(answered) < 2:
+                await trio.sleep(0.001)
+        # b's waiter was answered with c's round already submitted
+        assert answered == [("b", None, before + 2), ("c", None, before + 2)]
+        nursery.cancel_scope.cancel()
+    queue.close()
+    reopened = DiskQueue("q", tmp_path)
+    assert reopened.read_many(5) == [b"a", b"b", b"c"]
+    reopened.close()

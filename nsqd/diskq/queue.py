@@ -7,7 +7,9 @@ records durable against power loss is the :meth:`DiskQueue.run` task's job,
 through io_uring (or a worker thread where it cannot be used): because a
 caller waits for it (group commit: one ``fdatasync`` serves every waiter of
 a round; the next round gathers while the current one syncs and starts the
-moment it settles, with no pass of the scheduler in between) or because
+moment it settles, with no pass of the scheduler in between, and before the
+settled round's waiters are answered, so that the disk syncs while they
+are) or because
 ``sync_every`` puts and reads or ``sync_timeout`` seconds have passed (a
 checkpoint, which also saves the metadata).
 
@@ -202,6 +204,9 @@ class DiskQueue:
         self._woken = False
         self._wakeup = trio.lowlevel.ParkingLot()
         self._next_round = _CommitRound()
+        #: a round that synced, whose waiters are answered once the next round is under way (never
+        #: across an await: see :meth:`_release_synced`)
+        self._synced_round: _CommitRound | None = None
         self._running = False
         #: run() was started with start_soon and will be running soon (see :meth:`run_scheduled`)
         self._run_scheduled = False
@@ -566,9 +571,12 @@ class DiskQueue:
                 if checkpoint or self._next_round.waiters:
                     with trio.CancelScope(shield=True):
                         await self._commit(checkpoint)
+                    if not self._next_round.waiters:  # no next round to start first
+                        self._release_synced()
                 elif overdue:
                     self._last_checkpoint = trio.current_time()
         finally:
+            self._release_synced()
             self._running = self._run_scheduled = False
             if self._ring is not None:  # nothing in flight: a commit returns once its syncs completed
                 self._ring.close()
@@ -600,7 +608,20 @@ class DiskQueue:
         else:
             self._settle(plan, commit, target, None)
         if plan.metadata is not None:
+            self._release_synced()
             await self._checkpoint(plan)
+
+    def _release_synced(self) -> None:
+        """Answer the waiters of the round that synced last.
+
+        Called right after the next round's sync was submitted (or when there
+        is none to start), and before any await: answering a round's waiters
+        (an ``OK`` written to each of dozens of connections) takes as long
+        as the sync itself, and done first it kept the disk idle meanwhile.
+        """
+        commit, self._synced_round = self._synced_round, None
+        if commit is not None:
+            commit.finish(None)
 
     async def _sync(self, plan: sync.SyncPlan, commit: _CommitRound, target: int) -> None:
         """Sync the plan's descriptors, through io_uring where it works, and release the waiters.
@@ -617,6 +638,7 @@ class DiskQueue:
                 self._ring, self._ring_refused = None, True
                 ring.close()
             else:
+                self._release_synced()
                 error = None
                 while ring.in_flight:
                     await trio.lowlevel.wait_readable(ring.fileno)
@@ -648,6 +670,7 @@ class DiskQueue:
         try:
             limiter.acquire_on_behalf_of_nowait(token)
         except trio.WouldBlock:
+            self._release_synced()
             await limiter.acquire_on_behalf_of(token)
         settled = trio.Event()
         unexpected: list[BaseException] = []
@@ -664,6 +687,7 @@ class DiskQueue:
                 commit.finish(DiskQueueError(f"disk queue {self.name!r}: sync failed: {exc!r}"))
             else:
                 self._settle(plan, commit, target, None)
+                self._release_synced()
             settled.set()
 
         def deliver(result: outcome.Outcome[None]) -> None:  # in the worker thread
@@ -672,6 +696,7 @@ class DiskQueue:
         # Unnamed: naming the thread for the job and back costs two prctl calls a
         # round, and each returns through the GIL that the event loop holds.
         trio.lowlevel.start_thread_soon(functools.partial(sync.execute, plan, self._files, self._gate), deliver)
+        self._release_synced()
         await settled.wait()
         if unexpected:
             raise unexpected[0]
@@ -684,6 +709,7 @@ class DiskQueue:
         emptying dropped the records (and either may have closed a
         descriptor before the kernel's sync of it ran).
         """
+        self._release_synced()  # the rounds' waiters are answered in order
         if error is not None and plan.generation == self._gate.generation:
             self._writer.directory_changed |= plan.sync_directory
             if plan.metadata is not None:
@@ -698,7 +724,7 @@ class DiskQueue:
                 self._log.info("diskq_write_recovered", after=self.failing)
                 self.failing = None
         self._durable_count = max(self._durable_count, target)
-        commit.finish(None)
+        self._synced_round = commit  # answered by _release_synced, once the next round is under way
 
     async def _checkpoint(self, plan: sync.SyncPlan) -> None:
         """Save the plan's metadata to the checkpoint file, then remove the segments it released.
@@ -907,6 +933,7 @@ class DiskQueue:
         self._wake()
 
     def _release_waiters(self, error: DiskQueueError | None) -> None:
+        self._release_synced()
         self._next_round.finish(error)
         self._next_round = _CommitRound()
 
