@@ -18,7 +18,7 @@ and the load generator as a client.
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Any, Protocol
 
 from . import codec
 from .codec import DecodeError
@@ -100,13 +100,24 @@ _SASL = 1
 _AMQP = 2
 
 
+class PartialBudget(Protocol):
+    """Bytes shared by every connection (the daemon's body budget); never waits."""
+
+    capacity: int
+
+    def try_take(self, size: int) -> bool: ...
+
+    def give_back(self, size: int) -> None: ...
+
+
 class Connection:
     def __init__(self, *, client: bool, container_id: str, sasl: SaslServer | SaslClient | None = None,
                  sasl_required: bool = False, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
                  channel_max: int = DEFAULT_CHANNEL_MAX, idle_timeout: float | None = None,
                  hostname: str | None = None, properties: dict | None = None,
                  refuse: Error | None = None, step_frames: int = 0,
-                 max_partial_bytes: int = MAX_PARTIAL_BYTES) -> None:
+                 max_partial_bytes: int = MAX_PARTIAL_BYTES, partial_budget: PartialBudget | None = None,
+                 free_partial_bytes: int = 0) -> None:
         self.client = client
         self.container_id = container_id
         self.sasl = sasl
@@ -125,6 +136,12 @@ class Connection:
         #: the most we hold (past it: close with resource-limit-exceeded; 0: no limit)
         self.partial_bytes = 0
         self.max_partial_bytes = max_partial_bytes
+        #: memory shared with other connections: what this one holds past ``free_partial_bytes`` is
+        #: taken from it, and a delivery that finds no room there is not kept (see :meth:`hold_partial`)
+        self.partial_budget = partial_budget
+        self.free_partial_bytes = free_partial_bytes
+        #: bytes taken from ``partial_budget``
+        self.partial_reserved = 0
         #: complete frames are left: call ``receive_data(b"")`` to go on
         self.more = False
         self._frames = None
@@ -147,6 +164,38 @@ class Connection:
         self._want_open = False
         if client:
             self.output.append(SASL_HEADER if sasl is not None else AMQP_HEADER)
+
+    # ------------------------------------------------------------ partials
+    def hold_partial(self, size: int) -> bool:
+        """Count ``size`` more bytes kept for unfinished deliveries; False, with nothing counted,
+        when the shared budget has no room for them.
+
+        Never waits: reading on (the other links' frames share the socket) is what lets the
+        deliveries already held finish and give their bytes back.
+        """
+        total = self.partial_bytes + size
+        need = total - self.free_partial_bytes - self.partial_reserved
+        budget = self.partial_budget
+        if need > 0 and budget is not None:
+            if budget.capacity and need > budget.capacity or not budget.try_take(need):
+                return False
+            self.partial_reserved += need
+        self.partial_bytes = total
+        return True
+
+    def drop_partial(self, size: int) -> None:
+        """``size`` bytes of unfinished deliveries are no longer kept; the shared budget gets back what they took."""
+        self.partial_bytes -= size
+        excess = self.partial_reserved - max(self.partial_bytes - self.free_partial_bytes, 0)
+        if excess > 0:
+            self.partial_reserved -= excess
+            self.partial_budget.give_back(excess)
+
+    def release_partials(self) -> None:
+        """The connection is over: everything it took from the shared budget goes back."""
+        if self.partial_reserved:
+            self.partial_budget.give_back(self.partial_reserved)
+            self.partial_reserved = 0
 
     # ------------------------------------------------------------------ I/O
     def data_to_send(self) -> bytes:

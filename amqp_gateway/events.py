@@ -15,9 +15,20 @@ if TYPE_CHECKING:
     from .performatives import Error, Open
     from .session import Session
 
-#: one complete incoming delivery: (delivery-id, delivery-tag, settled, payload);
-#: the payload is None when the message exceeded the link's max-message-size
-IncomingDelivery = tuple[int, bytes, bool, "bytes | None"]
+
+
+class NoRoom:
+    """The payload of a multi-frame delivery that found no room in the memory shared by every
+    connection (``Connection.partial_budget``): it was not kept, and is refused."""
+
+    __slots__ = ()
+
+
+NO_ROOM = NoRoom()
+
+#: one complete incoming delivery: (delivery-id, delivery-tag, settled, payload); the payload is
+#: None when the message exceeded the link's max-message-size, NO_ROOM when it was not kept
+IncomingDelivery = tuple[int, bytes, bool, "bytes | NoRoom | None"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from nsqd.body_budget import BIG_BODY
 from nsqd.broker import SubscribeError
 from nsqd.client_v2 import STATE_SUBSCRIBED, PubCounts
 from nsqd.subscription import Budget
@@ -74,7 +75,9 @@ class GatewayConnection:
                                  step_frames=STEP_FRAMES,
                                  # room for two of the biggest messages at once, at the least
                                  max_partial_bytes=max(MAX_PARTIAL_BYTES,
-                                                       2 * (nsqd.options.max_msg_size + SECTIONS_ALLOWANCE)))
+                                                       2 * (nsqd.options.max_msg_size + SECTIONS_ALLOWANCE)),
+                                 # past what a TCP client may hold unreserved, the daemon's body budget
+                                 partial_budget=nsqd.body_budget, free_partial_bytes=BIG_BODY)
         #: the SASL PLAIN password: the secret the auth servers are asked about
         self.auth_secret = ""
         self.auth_state: AuthState | None = None
@@ -319,6 +322,7 @@ class GatewayConnection:
         publishers stop waiting for room in full topics."""
         for link in [*self.consumers, *self.publishers]:
             self._forget(link)
+        self.engine.release_partials()
         self.nsqd.remove_client(self)
 
 

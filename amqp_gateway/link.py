@@ -61,6 +61,8 @@ class Link:
         self.partial_size = 0
         #: the bytes of it kept (counted in the connection's ``partial_bytes``)
         self.partial_held = 0
+        #: the unfinished delivery found no room in the shared budget: its bytes are not kept
+        self.partial_unkept = False
         self.partial_head: tuple[int, bytes, bool] = (0, b"", False)
         self._transfer_head: dict[int, bytes] = {}
 

@@ -31,6 +31,7 @@ from nsqd.broker import PublishError, Receipt
 
 from .codec import DecodeError
 from .errors import DECODE_ERROR, INVALID_FIELD, MESSAGE_SIZE_EXCEEDED, RESOURCE_DELETED, RESOURCE_LIMIT_EXCEEDED
+from .events import NO_ROOM
 from .performatives import Accepted, Error, Rejected
 from .sections import message_body
 
@@ -121,6 +122,11 @@ class LinkPublisher:
         for did, _tag, settled, payload in deliveries:
             if payload is None:
                 failures.append((did, settled, Error(MESSAGE_SIZE_EXCEEDED, f"message larger than {max_size} bytes")))
+                continue
+            if payload is NO_ROOM:
+                failures.append((did, settled, Error(RESOURCE_LIMIT_EXCEEDED, (
+                    "no memory free for messages arriving over several frames "
+                    "(--max-body-memory is in use by other clients); try again"))))
                 continue
             try:
                 body, wants_durable = message_body(payload)

@@ -27,7 +27,9 @@ from .errors import (
     DECODE_ERROR, FRAMING_ERROR, HANDLE_IN_USE, INVALID_FIELD, NOT_ALLOWED, RESOURCE_LIMIT_EXCEEDED,
     TRANSFER_LIMIT_EXCEEDED, UNATTACHED_HANDLE, WINDOW_VIOLATION, ConnectionFault, SessionFault,
 )
-from .events import LinkAttached, LinkAttaching, LinkDetached, LinkFlow, SessionFlow, Settled, Transfers
+from .events import (
+    NO_ROOM, LinkAttached, LinkAttaching, LinkDetached, LinkFlow, NoRoom, SessionFlow, Settled, Transfers,
+)
 from .framing import encode_frame
 from .link import Link
 from .performatives import (
@@ -196,9 +198,15 @@ class Session:
 
     def _drop_partial(self, link: Link) -> None:
         """The link's unfinished delivery is done with (complete, aborted, or the link gone)."""
-        self.connection.partial_bytes -= link.partial_held
-        link.partial_held = 0
+        self._forgo_partial(link)
         link.partial = None
+        link.partial_unkept = False
+
+    def _forgo_partial(self, link: Link) -> None:
+        """Give back the bytes kept of the link's unfinished delivery."""
+        if link.partial_held:
+            self.connection.drop_partial(link.partial_held)
+            link.partial_held = 0
 
     def _release(self, link: Link) -> None:
         if self._awaiting.get((link.name, link.role)) is link:
@@ -329,20 +337,28 @@ class Session:
             return
         link.partial_size += len(payload)
         limit = link.max_message_size
-        if not limit or link.partial_size <= limit:
-            partial.append(payload)
-            link.partial_held += len(payload)
+        if (not limit or link.partial_size <= limit) and not link.partial_unkept:
             connection = self.connection
-            connection.partial_bytes += len(payload)
-            if connection.max_partial_bytes and connection.partial_bytes > connection.max_partial_bytes:
-                raise ConnectionFault(RESOURCE_LIMIT_EXCEEDED, (
-                    f"unfinished multi-frame deliveries hold more than {connection.max_partial_bytes} bytes "
-                    f"over this connection's links"))
+            if connection.hold_partial(len(payload)):
+                partial.append(payload)
+                link.partial_held += len(payload)
+                if connection.max_partial_bytes and connection.partial_bytes > connection.max_partial_bytes:
+                    raise ConnectionFault(RESOURCE_LIMIT_EXCEEDED, (
+                        f"unfinished multi-frame deliveries hold more than {connection.max_partial_bytes} bytes "
+                        f"over this connection's links"))
+            else:  # the daemon's memory for them is taken: refused once complete, nothing kept meanwhile
+                self._forgo_partial(link)
+                partial.clear()
+                link.partial_unkept = True
         if more:
             return
+        unkept = link.partial_unkept
         self._drop_partial(link)
         did, tag, settled = link.partial_head
-        body = None if limit and link.partial_size > limit else b"".join(partial)
+        if unkept:
+            body: bytes | NoRoom | None = NO_ROOM
+        else:
+            body = None if limit and link.partial_size > limit else b"".join(partial)
         events.append(Transfers(link, [(did, tag, settled, body)]))
 
     def on_disposition(self, disposition: Disposition, events: list) -> None:

@@ -11,6 +11,12 @@ the connection ends; while the budget lacks room it reads nothing more
 A body is reserved whole before more of it is read, so clients waiting for
 room never hold parts of it that they cannot complete: no deadlock. One
 body bigger than the whole budget takes all of it.
+
+The AMQP gateway takes from it too, frame by frame, for what a connection
+holds of unfinished multi-frame deliveries past ``BIG_BODY``; it never waits
+(``try_take``): its links share one socket, so waiting for one delivery
+would stall the others that could finish. A delivery without room is
+dropped and refused instead.
 """
 
 from __future__ import annotations

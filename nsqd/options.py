@@ -388,8 +388,9 @@ class Options:
     max_msg_size: int = _opt("int", _MIB, "largest single message in bytes")
     max_body_size: int = _opt("int", 5 * _MIB, "largest command body in bytes")
     max_body_memory: int = _opt(
-        "int", 256 * _MIB, "most bytes of big bodies (over 1 MiB) received at once over all connections; "
-        "a body that would pass it waits for room (0: no limit)")
+        "int", 256 * _MIB, "most bytes of big bodies (over 1 MiB) received at once over all connections, "
+        "AMQP multi-frame deliveries included; a body that would pass it waits for room, an AMQP delivery is "
+        "rejected (0: no limit)")
     max_req_timeout: float = _opt("duration", 3600.0, "largest requeue delay")
     client_timeout: float = _opt(
         "duration", 60.0, "time without a heartbeat response before a client is dropped", exposed=False

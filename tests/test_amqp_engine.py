@@ -477,6 +477,72 @@ def test_unfinished_deliveries_over_all_links_are_bounded_per_connection():
     assert "10000 bytes" in closed.error.description
 
 
+class SharedBudget:
+    """The daemon's body budget as the engine sees it: bytes shared by every connection."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+
+    def try_take(self, size: int) -> bool:
+        if self.used + size > self.capacity:
+            return False
+        self.used += size
+        return True
+
+    def give_back(self, size: int) -> None:
+        self.used -= size
+        assert self.used >= 0
+
+
+def test_unfinished_deliveries_past_the_free_allowance_take_from_the_shared_budget():
+    """What a connection keeps of unfinished deliveries past ``free_partial_bytes`` comes from the
+    budget every connection shares. A delivery that finds no room is not kept and completes as
+    NO_ROOM (the gateway refuses it); the others go on, and what they took goes back."""
+    budget = SharedBudget(5_000)
+    pair = Pair(partial_budget=budget, free_partial_bytes=2_000)
+    links = [pair.link(name=f"l{i}") for i in range(3)]
+    for client_link, server_link in links:
+        server_link.flow(credit=5)
+    pair.exchange()
+
+    def send(client_link, size: int, *, tag: bytes = b"", more: bool = True) -> None:
+        session = client_link.session
+        if tag:
+            transfer = p.Transfer(client_link.handle, delivery_id=session.next_outgoing_id, delivery_tag=tag,
+                                  message_format=0, settled=True, more=more)
+        else:
+            transfer = p.Transfer(client_link.handle, more=more)
+        session.send(transfer, b"x" * size)
+        session.frames_sent(1)
+        pair.exchange()
+
+    def delivered() -> list:
+        return [(d[1], d[3] if d[3] is ev.NO_ROOM else len(d[3]))
+                for e in pair.take("server", ev.Transfers) for d in e.deliveries]
+
+    send(links[0][0], 3000, tag=b"a")
+    assert (pair.server.partial_bytes, budget.used) == (3000, 1000)
+    send(links[1][0], 3000, tag=b"b")
+    assert (pair.server.partial_bytes, budget.used) == (6000, 4000)
+    send(links[2][0], 1500, tag=b"c")  # 1,500 more would take the budget to 5,500
+    assert (pair.server.partial_bytes, budget.used) == (6000, 4000)
+    send(links[2][0], 10, more=False)  # c's frames after that are not kept either
+    assert delivered() == [(b"c", ev.NO_ROOM)]
+    send(links[0][0], 10, more=False)
+    assert delivered() == [(b"a", 3010)]
+    assert (pair.server.partial_bytes, budget.used) == (3000, 1000)
+    send(links[2][0], 1500, tag=b"d")  # room again: kept
+    assert (pair.server.partial_bytes, budget.used) == (4500, 2500)
+    links[1][0].detach()
+    pair.exchange()
+    assert (pair.server.partial_bytes, budget.used) == (1500, 0)
+    send(links[0][0], 2000, tag=b"e")
+    assert budget.used == 1500
+    pair.server.release_partials()  # the connection is over
+    assert budget.used == 0
+
+
 def test_a_continuation_may_repeat_the_delivery_id_but_not_change_it():
     """Spec 2.7.5 (transfer, delivery-id): "On continuation transfers the delivery-id MAY be omitted.
     It is an error if the delivery-id on a continuation transfer differs from the delivery-id on the

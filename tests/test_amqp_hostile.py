@@ -19,7 +19,7 @@ from amqp_gateway.errors import (
 from amqp_gateway.framing import AMQP_HEADER, SASL_HEADER, encode_frame
 
 from .conftest import HTTPClient, http_port
-from .test_amqp_raw import Client, gateway
+from .test_amqp_raw import Client, eventually, gateway
 
 OPEN = encode_frame(0, p.Open("hostile").encode_amqp())
 DEEP = "values nested deeper than 64"
@@ -174,20 +174,25 @@ async def test_a_flood_of_tiny_frames_does_not_delay_ping(tmp_path, logs):
         await still_serving(nsqd)
 
 
+def start_unfinished(link) -> None:
+    """900 KB into a delivery that is never finished (queued on the client; flush to send)."""
+    session = link.session
+    chunk = b"x" * 100_000
+    session.send(p.Transfer(link.handle, delivery_id=session.next_outgoing_id, delivery_tag=b"u",
+                            message_format=0, settled=True, more=True), chunk)
+    for _ in range(8):
+        session.send(p.Transfer(link.handle, more=True), chunk)
+    session.frames_sent(9)
+
+
 async def test_unfinished_multi_frame_deliveries_on_many_links_close_the_connection(tmp_path, logs):
     """Each link may hold one unfinished delivery of up to the max message size; many links at
     once could hold gigabytes. Past 8 MiB a connection is closed with resource-limit-exceeded."""
     async with gateway(tmp_path) as nsqd:
         client = await Client.connect(nsqd.amqp_port)
-        chunk = b"x" * 100_000
         links = [await client.attach(p.SENDER, f"/topics/t{index}") for index in range(12)]
-        for link in links:  # each 900 KB into a message it never finishes: 10.8 MB in all
-            session = link.session
-            session.send(p.Transfer(link.handle, delivery_id=session.next_outgoing_id, delivery_tag=b"t",
-                                    message_format=0, settled=True, more=True), chunk)
-            for _ in range(8):
-                session.send(p.Transfer(link.handle, more=True), chunk)
-            session.frames_sent(9)
+        for link in links:  # 10.8 MB in all
+            start_unfinished(link)
         try:
             await client.flush()
         except trio.BrokenResourceError:  # the gateway closed while we still sent
@@ -197,4 +202,34 @@ async def test_unfinished_multi_frame_deliveries_on_many_links_close_the_connect
         (closed,) = client.take(ev.ConnectionClosed)
         assert closed.error.condition == RESOURCE_LIMIT_EXCEEDED
         assert "8388608 bytes" in closed.error.description
+        await still_serving(nsqd)
+
+
+async def test_unfinished_deliveries_share_the_daemons_body_memory(tmp_path, logs):
+    """What a connection holds of unfinished multi-frame deliveries past 1 MiB comes from
+    --max-body-memory, which NSQ TCP and HTTP bodies share. A delivery that finds no room is not
+    kept and is rejected with resource-limit-exceeded; its connection goes on, and once the
+    memory is free the same message is accepted."""
+    async with gateway(tmp_path, max_body_memory=2 * 1024 * 1024) as nsqd:
+        budget = nsqd.body_budget
+        holder = await Client.connect(nsqd.amqp_port)
+        for index in range(3):  # 2.7 MB held, 1.65 MB of it past the free 1 MiB
+            start_unfinished(await holder.attach(p.SENDER, f"/topics/held{index}"))
+        await holder.flush()
+        await eventually(lambda: budget.used == 2_700_000 - 1024 * 1024)
+
+        client = await Client.connect(nsqd.amqp_port)
+        start_unfinished(await client.attach(p.SENDER, "/topics/unfinished"))
+        link = await client.attach(p.SENDER, "/topics/big")
+        (refused,) = await client.publish(link, [b"y" * 900_000])  # 1.8 MB would need 0.75 MB more
+        assert isinstance(refused, p.Rejected)
+        assert refused.error.condition == RESOURCE_LIMIT_EXCEEDED
+        assert "--max-body-memory" in refused.error.description
+
+        await holder.aclose()  # its partial deliveries go, and so does what they took
+        await eventually(lambda: budget.used == 0)
+        (accepted,) = await client.publish(link, [b"y" * 900_000])
+        assert isinstance(accepted, p.Accepted)
+        assert nsqd.topics["big"].message_count == 1  # the refused one was not stored
+        await client.aclose()
         await still_serving(nsqd)
