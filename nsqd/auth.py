@@ -72,7 +72,7 @@ def parse_reply(body: bytes, now: float) -> AuthState:
                 tuple(re.compile(c) for c in item.get("channels") or []),
                 perms,
             ))
-    except (ValueError, TypeError, AttributeError, re.error) as exc:
+    except (ValueError, TypeError, AttributeError, RecursionError, re.error) as exc:
         raise AuthError(f"invalid auth reply: {exc}") from None
     if ttl <= 0:
         raise AuthError(f"invalid TTL {ttl} (must be >0)")

@@ -122,16 +122,19 @@ class Request:
             raise HTTPError(400, "INVALID_REQUEST") from None
 
     async def read_body(self, limit: int) -> bytes:
-        """The body, cut at ``limit + 1`` bytes: a longer result means "too big"."""
-        chunks: list[bytes] = []
-        size = 0
-        while size <= limit:
+        """The body, cut at ``limit + 1`` bytes: a longer result means "too big".
+
+        Gathered in one buffer: a list of the pieces held an object per chunk of a
+        chunked body, 60 bytes for each 1-byte chunk.
+        """
+        body = bytearray()
+        while len(body) <= limit:
             chunk = await self.receive()
             if not chunk:
                 break
-            chunks.append(chunk)
-            size += len(chunk)
-        return b"".join(chunks)[: limit + 1]
+            body += chunk
+        del body[limit + 1:]
+        return bytes(body)
 
 
 def _first(query: dict[str, list[str]], key: str) -> str | None:
@@ -658,7 +661,7 @@ def _lookupd_addresses(body: bytes) -> list[str]:
         value = [go_json_text(address) for address in value]
         for address in value:
             split_host_port(address)
-    except ValueError:  # also OptionsError and JSON errors
+    except (ValueError, RecursionError):  # also OptionsError, JSON errors, and JSON nested too deep
         raise HTTPError(400, "INVALID_VALUE") from None
     return value
 
@@ -684,16 +687,20 @@ _AUTH_CACHE_SIZE = 1024
 
 
 def _policy_args(query: dict[str, list[str]], names: tuple[str, ...]) -> dict[str, int]:
-    """Non-negative integer parameters; a bad one is a 400 naming it."""
+    """Non-negative integer parameters (ASCII digits, within int64, as ``nsqd.dat`` keeps them);
+    a bad one is a 400 naming it."""
     out = {}
     for name in names:
         value = _first(query, name)
         if value is None:
             continue
-        if not value.isdigit():
+        if not (value.isascii() and value.isdigit()) or len(value) > 19 or int(value) > _INT64_MAX:
             raise HTTPError(400, f"INVALID_ARG_{name.upper()}")
         out[name] = int(value)
     return out
+
+
+_INT64_MAX = (1 << 63) - 1
 
 
 def _bearer(headers: Sequence[tuple[bytes, bytes]]) -> str:

@@ -13,10 +13,12 @@ policy when reached:
 
 * ``max_connections`` (256): at the cap the oldest connection that is waiting
   for a request head (idle keep-alive, just connected, or a head still
-  arriving) is closed to make room; when every connection is busy with a
-  request the newcomer gets ``503 {"message":"TOO_MANY_CONNECTIONS"}`` and is
-  closed (HTTPS: closed without a handshake). A flood of idle sockets thus
-  never locks out /ping.
+  arriving) is closed to make room; failing that, the one that has waited
+  longest (and at least a second) for more of its request body gets
+  ``503 {"message":"TOO_MANY_CONNECTIONS"}`` and is closed; when every
+  connection is busy otherwise, the newcomer gets that 503 and is closed
+  (HTTPS: closed without a handshake). A flood of idle sockets or stalled
+  bodies thus never locks out /ping.
 * ``max_head_size`` (16 KiB): a request head that h11 holds incomplete past
   it (its ``max_incomplete_event_size``), or a complete one whose target,
   header names and values add up to more, gets ``431 HEADER_TOO_BIG``.
@@ -67,6 +69,15 @@ log = structlog.get_logger("nsqd.http")
 
 #: bytes read from the socket per receive
 RECEIVE_SIZE = 64 * 1024
+#: a chunked body may average this few bytes a chunk over its first CHUNKS_BEFORE_AVERAGE chunks, no
+#: fewer after: h11 spends microseconds on each chunk, so a body of 1-byte chunks costs 40 times
+#: the bytes it carries (5 MiB of them: about 20 s of the event loop)
+MIN_AVERAGE_CHUNK = 16
+CHUNKS_BEFORE_AVERAGE = 65536
+#: how long a connection must have waited for more of its body before it may be closed to make room
+BODY_EVICTION_WAIT = 1.0
+#: body events handled in a row from what is already buffered before other tasks get a turn
+EVENTS_PER_TURN = 1024
 #: time and bytes spent draining a client before closing on it
 LINGER_TIMEOUT = 1.0
 LINGER_BYTES = 1024 * 1024
@@ -171,6 +182,9 @@ class HTTPServer:
         self._connections: set[_Connection] = set()
         #: connections waiting for a request head, oldest wait first: the ones closed at the cap
         self._waiting: dict[_Connection, None] = {}
+        #: connections waiting for more of a request body, and since when, longest wait first: closed
+        #: at the cap once they have waited BODY_EVICTION_WAIT and no connection waits for a head
+        self._waiting_for_body: dict[_Connection, float] = {}
         self._refusing = 0
         self._refused = 0
         self._refusal_logged_at = -REFUSAL_LOG_INTERVAL
@@ -204,11 +218,17 @@ class HTTPServer:
                 handlers.start_soon(connection.run)
 
     def _evict_one(self) -> bool:
-        """Close the connection that has waited longest for a request; False if none waits."""
-        if not self._waiting:
+        """Close the connection that has waited longest for a request, else the one that has
+        waited longest, and at least BODY_EVICTION_WAIT, for more of its body; False if none."""
+        if self._waiting:
+            connection = next(iter(self._waiting))
+            del self._waiting[connection]
+        elif (self._waiting_for_body
+              and next(iter(self._waiting_for_body.values())) <= trio.current_time() - BODY_EVICTION_WAIT):
+            connection = next(iter(self._waiting_for_body))
+            del self._waiting_for_body[connection]
+        else:
             return False
-        connection = next(iter(self._waiting))
-        del self._waiting[connection]
         self._connections.discard(connection)
         connection.evict()
         return True
@@ -279,6 +299,8 @@ class _Connection:
         self._linger = False  # the client may still be sending when we close
         self._body_deadline = 0.0
         self._peer_closed = False
+        #: the request body's chunks (chunked bodies) and bytes so far, and events since a turn was given
+        self._body_chunks = self._body_bytes = self._body_events = 0
 
     def evict(self) -> None:
         """Close this connection (it waits for a request) to make room for a new one."""
@@ -300,6 +322,7 @@ class _Connection:
         finally:
             self.server._connections.discard(self)
             self.server._waiting.pop(self, None)
+            self.server._waiting_for_body.pop(self, None)
             try:
                 if self._linger:
                     await _linger(self.raw_stream)
@@ -330,7 +353,11 @@ class _Connection:
 
     async def _deadline_passed(self) -> None:
         """Answer what the phase whose deadline passed calls for (the connection then closes)."""
-        if self._evicted:
+        if self._evicted and self._phase == "body":
+            log.info("HTTP connection stalled in its body closed to make room", client=self.remote)
+            with trio.move_on_after(self.limits.send_timeout):
+                await self._send_final(error_response(503, "TOO_MANY_CONNECTIONS"))
+        elif self._evicted:
             log.debug("HTTP connection closed to make room", client=self.remote)
         elif self._phase in ("head", "body"):
             log.info(f"HTTP request {self._phase} timed out", client=self.remote)
@@ -394,6 +421,7 @@ class _Connection:
             receive=self._receive_body,
         )
         self._body_deadline = trio.current_time() + self.limits.body_timeout
+        self._body_chunks = self._body_bytes = 0
         try:
             response = await self.server.app(request)
         except ClientGone:
@@ -426,21 +454,39 @@ class _Connection:
             try:
                 event = conn.next_event()
             except h11.RemoteProtocolError as exc:
-                if self._peer_closed:
-                    raise ClientGone() from None
-                raise BadRequest(exc.error_status_hint, "BAD_REQUEST", str(exc)) from None
+                if self._peer_closed:  # it may only have shut down its sending side: Go answers 500
+                    raise BadRequest(500, "INTERNAL_ERROR", "the client closed before its body ended") from None
+                status = exc.error_status_hint
+                raise BadRequest(status, _STATUS_MESSAGES.get(status, "BAD_REQUEST"), str(exc)) from None
             if type(event) is h11.Data:
-                return event.data
+                data = event.data
+                if event.chunk_start:  # the chunks before it are whole
+                    done = self._body_chunks
+                    if done >= CHUNKS_BEFORE_AVERAGE and self._body_bytes < done * MIN_AVERAGE_CHUNK:
+                        raise BadRequest(400, "CHUNKS_TOO_SMALL", (
+                            f"{done} chunks of {self._body_bytes / done:.1f} bytes on average "
+                            f"(at least {MIN_AVERAGE_CHUNK} past {CHUNKS_BEFORE_AVERAGE} chunks)"))
+                    self._body_chunks = done + 1
+                self._body_bytes += len(data)
+                self._body_events += 1
+                if self._body_events >= EVENTS_PER_TURN:
+                    self._body_events = 0
+                    await trio.lowlevel.checkpoint()
+                return data
             if event is not h11.NEED_DATA:
                 return b""  # EndOfMessage; PAUSED once it has been seen
             if conn.they_are_waiting_for_100_continue:
                 await self._send(conn.send(h11.InformationalResponse(
                     status_code=100, headers=[(b"date", self.server.date())], reason=b"Continue")))
             self._set_deadline("body", self._body_deadline)
+            waiting = self.server._waiting_for_body
+            waiting[self] = trio.current_time()
             try:
                 data = await self.stream.receive_some(RECEIVE_SIZE)
             except _ORDINARY_FAULTS:
                 raise ClientGone() from None
+            finally:
+                waiting.pop(self, None)
             self._set_deadline("app", math.inf)
             self._peer_closed = not data
             conn.receive_data(data)

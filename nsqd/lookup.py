@@ -107,7 +107,7 @@ class LookupPeer:
             self.identified = False
             try:
                 await self._session()
-            except (OSError, trio.BrokenResourceError, trio.TooSlowError, ValueError, EOFError) as exc:
+            except (OSError, trio.BrokenResourceError, trio.TooSlowError, ValueError, RecursionError, EOFError) as exc:
                 log.warning("lookupd connection failed", lookupd=self.address, error=str(exc) or type(exc).__name__)
             self.registered.clear()
             if self.identified:
@@ -286,7 +286,8 @@ async def topic_channels(addresses: list[str], topic: str, *, connect_timeout: f
             names = json.loads(body)["channels"]
             found.update(name for name in names if isinstance(name, str) and is_valid_channel_name(name)
                          and not name.endswith("#ephemeral"))
-        except (http_client.ResponseError, ValueError, KeyError, TypeError, *http_client.FAILURES) as exc:
+        except (http_client.ResponseError, ValueError, KeyError, TypeError, RecursionError,
+                *http_client.FAILURES) as exc:
             log.warning("lookupd channels query failed", lookupd=address, topic=topic, error=str(exc) or type(exc).__name__)
 
     async with trio.open_nursery() as nursery:

@@ -704,6 +704,8 @@ async def test_config_put_lookupd_addresses(nsqd_server, http):
     ("nsqlookupd_tcp_addresses", b'"127.0.0.1:4160"', 400, "INVALID_VALUE"),
     ("nsqlookupd_tcp_addresses", b"[4160]", 400, "INVALID_VALUE"),
     ("nsqlookupd_tcp_addresses", b'["no-port"]', 400, "INVALID_VALUE"),
+    pytest.param("nsqlookupd_tcp_addresses", b"[" * 100_000 + b"]" * 100_000, 400, "INVALID_VALUE",
+                 id="nested-too-deep"),
     ("log_level", b"loud", 400, "INVALID_VALUE"),
     ("log_level", b"info\n", 400, "INVALID_VALUE"),
     ("msg_timeout", b"1000", 400, "INVALID_OPTION"),

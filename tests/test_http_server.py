@@ -209,6 +209,66 @@ async def test_malformed_chunked_body_is_400_and_publishes_nothing(daemon):
     assert topic_depth(daemon, "t") == 0
 
 
+async def test_a_chunk_header_over_the_head_limit_is_431_header_too_big(daemon):
+    client = await Raw.open(http_port(daemon))
+    await client.send(b"POST /pub?topic=t HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                      b"1;" + b"e" * 100_000 + b"\r\nx\r\n0\r\n\r\n")
+    json_error(await client.response(), 431, "HEADER_TOO_BIG")
+    assert topic_depth(daemon, "t") == 0
+
+
+async def test_a_client_that_shuts_down_mid_body_still_gets_an_answer(daemon):
+    """Go's ReadAll fails and nsqd answers 500; the client only shut down its sending side."""
+    client = await Raw.open(http_port(daemon))
+    await client.send(b"POST /pub?topic=t HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc")
+    await client.stream.send_eof()
+    json_error(await client.response(), 500, "INTERNAL_ERROR")
+    assert topic_depth(daemon, "t") == 0
+
+
+async def test_a_chunked_body_of_tiny_chunks_is_refused(tmp_path):
+    """Each chunk costs h11 microseconds: past 65,536 chunks a body must average 16 bytes a chunk.
+    (Gathered in one buffer, not a list of the pieces: 1-byte chunks held 60 bytes each.)"""
+    async with running_nsqd(tmp_path / "nsqd", http_address="127.0.0.1:0") as nsqd:
+        port = http_port(nsqd)
+        head = b"POST /mpub?topic=t HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        line = b"m" * 15 + b"\n"
+        client = await Raw.open(port)  # 70,000 chunks of 16 bytes: one line each
+        await client.send(head + b"10\r\n" + line + (b"\r\n10\r\n" + line) * 69_999 + b"\r\n0\r\n\r\n")
+        response = await client.response(timeout=30)
+        assert (response.status, response.body) == (200, b"OK")
+        assert nsqd.topics["t"].message_count == 70_000
+        await client.aclose()
+        client = await Raw.open(port)  # 70,000 chunks of 1 byte
+        await client.send(head + b"1\r\nx\r\n" * 70_000 + b"0\r\n\r\n")
+        json_error(await client.response(timeout=30), 400, "CHUNKS_TOO_SMALL")
+        await client.aclose()
+        assert nsqd.topics["t"].message_count == 70_000
+
+
+@pytest.mark.parametrize("daemon", [{"max_connections": 4}], indirect=True)
+async def test_bodies_stalled_at_the_cap_make_room_for_new_requests(daemon, monkeypatch):
+    """At the cap, with no connection waiting for a head, the one stalled longest (and at least
+    BODY_EVICTION_WAIT) in its body gets a 503 and is closed: slow bodies never lock out /ping."""
+    monkeypatch.setattr(http_server, "BODY_EVICTION_WAIT", 0.2)
+    port = http_port(daemon)
+    stalled = []
+    for _ in range(4):
+        client = await Raw.open(port)
+        await client.send(b"POST /pub?topic=t HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc")
+        stalled.append(client)
+        await trio.sleep(0.05)
+    await trio.sleep(0.3)
+    assert (await exchange(port, b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")).body == b"OK"
+    json_error(await stalled[0].response(), 503, "TOO_MANY_CONNECTIONS")
+    assert await stalled[0].closed()
+    for client in stalled[1:]:  # the others finish their requests
+        await client.send(b"defghij")
+        assert (await client.response()).body == b"OK"
+        await client.aclose()
+    assert topic_depth(daemon, "t") == 3
+
+
 async def test_seeded_mutations_of_valid_requests_never_take_the_daemon_down(daemon):
     """1000 requests with random bytes flipped, cut or repeated; /ping and publishing carry on."""
     port = http_port(daemon)

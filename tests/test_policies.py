@@ -99,6 +99,15 @@ async def test_limits_over_http_persist_and_only_bind_their_topic(tmp_path):
         resp = await http.request("POST", "/channel/limits?topic=small&channel=c&max_messages=x")
         assert (resp.status, resp.json()) == (400, {"message": "INVALID_ARG_MAX_MESSAGES"})
         assert (await http.request("POST", "/topic/limits?topic=small&overflow=maybe")).status == 400
+        # only ASCII digits within int64 ("²" and "١" pass str.isdigit; the first broke int())
+        for value in ("%C2%B2", "%D9%A1", "9223372036854775808", "99999999999999999999999999"):
+            resp = await http.request("POST", f"/channel/limits?topic=small&channel=c&max_messages={value}")
+            assert (resp.status, resp.json()) == (400, {"message": "INVALID_ARG_MAX_MESSAGES"})
+        resp = await http.request("POST", "/topic/redrive?topic=small&count=%C2%B2")
+        assert resp.status == 400
+        await http.request("POST", "/topic/create?topic=huge")
+        resp = await http.request("POST", "/topic/limits?topic=huge&max_messages=9223372036854775807")
+        assert resp.json()["max_messages"] == 2 ** 63 - 1
         with trio.fail_after(2):
             while b"policy" not in (tmp_path / "nsqd.dat").read_bytes():
                 await trio.sleep(0.02)
