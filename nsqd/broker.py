@@ -41,6 +41,7 @@ from . import diskq, message, policy, tls
 from .body_budget import BodyBudget
 from .channel import Channel, ChannelExiting
 from .diskq import goimport, naming
+from .diskq import lock as diskq_lock
 from .diskq.trash import TrashBin
 from .guid import GUIDFactory
 from .mpub import STEP_MESSAGES
@@ -553,6 +554,7 @@ class Broker:
             max_msg_size=opts.max_msg_size + message.FRAME_OVERHEAD + 64,
             sync_every=opts.sync_every,
             sync_timeout=opts.sync_timeout,
+            lock_file=False,  # the data path is locked as a whole (see running())
         )
 
     def open_backend(self, queue_name: str) -> diskq.DiskQueue:
@@ -941,27 +943,38 @@ class Broker:
         self._clock0 = self._clock.current_time()
         self._wall0 = time.time_ns()
         self.data_path.mkdir(parents=True, exist_ok=True)
-        async with trio.open_nursery() as queues:
-            self._queues_nursery = queues
-            self._trash.sweep(self.data_path)
-            queues.start_soon(self._trash.run)
-            self.load_metadata()  # outside the try: a file we cannot read must not be overwritten on the way out
-            try:
-                self._declare()
-                async with trio.open_nursery() as core:
-                    core.start_soon(queue_scan_loop, self)
-                    core.start_soon(self._backlog_mover)
-                    core.start_soon(self._metadata_writer)
-                    core.start_soon(self._topic_starter)
-                    for topic in self.topics.values():
-                        if topic.channels and topic.backend_depth:
-                            self._schedule_backlog(topic)
-                    yield self
-                    core.cancel_scope.cancel()
-            finally:
-                with trio.CancelScope(shield=True):
-                    await self._persist()
-                queues.cancel_scope.cancel()
+        data_lock = self._lock_data_path()
+        try:
+            async with trio.open_nursery() as queues:
+                self._queues_nursery = queues
+                self._trash.sweep(self.data_path)
+                queues.start_soon(self._trash.run)
+                self.load_metadata()  # outside the try: a file we cannot read must not be overwritten on the way out
+                try:
+                    self._declare()
+                    async with trio.open_nursery() as core:
+                        core.start_soon(queue_scan_loop, self)
+                        core.start_soon(self._backlog_mover)
+                        core.start_soon(self._metadata_writer)
+                        core.start_soon(self._topic_starter)
+                        for topic in self.topics.values():
+                            if topic.channels and topic.backend_depth:
+                                self._schedule_backlog(topic)
+                        yield self
+                        core.cancel_scope.cancel()
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await self._persist()
+                    queues.cancel_scope.cancel()
+        finally:
+            os.close(data_lock)
+
+    def _lock_data_path(self) -> int:
+        """One daemon per data path, as Go nsqd: its queues then need no lock files of their own."""
+        try:
+            return diskq_lock.acquire_directory_lock(self.data_path)
+        except BlockingIOError:
+            raise MetadataError(f"--data-path={self.data_path} in use (possibly by another instance of nsqd)") from None
 
 
 def _write_steps(backend: diskq.DiskQueue, records: list[bytes], step: int = 256) -> int:
@@ -980,7 +993,7 @@ def _write_steps(backend: diskq.DiskQueue, records: list[bytes], step: int = 256
 
 
 class MetadataError(Exception):
-    """``nsqd.dat`` cannot be used; the message is the whole story, for one log line."""
+    """The data path or ``nsqd.dat`` cannot be used; the message is the whole story, for one log line."""
 
 
 def _checked_metadata(raw: bytes) -> dict:

@@ -6,6 +6,7 @@ Found by the soak (``bench/soak.py``); each test fails on the code before its fi
 from __future__ import annotations
 
 import gc
+import os
 
 import trio
 
@@ -90,3 +91,65 @@ async def test_statsd_keeps_the_counters_of_the_last_snapshot_only(tmp_path):
         nsqd.publish("t", [b"m"])
         assert "nsq.topic.t.message_count:1|c" in reporter.lines(stats.snapshot(nsqd, include_clients=False))
         assert all(".channel." not in name for name in reporter._last)
+
+
+def _open_descriptors(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def test_idle_topics_and_channels_hold_no_descriptors(tmp_path):
+    """Each topic kept a lock file open, and each queue its checkpoint file, segments and io_uring
+    once used: one client making topics ran the daemon out of descriptors, after which it accepted
+    no connection at all. Idle queues now give theirs back (Go nsqd's hold none either)."""
+    http_port = free_port()
+    daemon = Daemon(tmp_path, f"--http-address=127.0.0.1:{http_port}", "--sync-timeout=200ms")
+    try:
+        await daemon.wait_ready()
+        conn = await NSQConnection.open(daemon.port)
+        await conn.pub("warm-up", b"x")
+        await trio.sleep(1)
+        before = _open_descriptors(daemon.proc.pid)
+        http = HTTPClient(http_port)
+        for i in range(300):
+            await conn.pub(f"topic{i}", b"message")  # in memory: nothing of it is on disk
+            assert (await http.post(f"/channel/create?topic=topic{i}&channel=c")).status == 200
+        durable = await NSQConnection.open(daemon.port)
+        for i in range(50):  # written and fsynced: segments, checkpoints and a ring each, while busy
+            assert (await http.post(f"/topic/limits?topic=durable{i}&durable=true")).status in (200, 404)
+            await durable.pub(f"durable{i}", b"message")
+        await trio.sleep(1.5)  # every queue is checkpointed and goes idle
+        after = _open_descriptors(daemon.proc.pid)
+        assert after - before < 20, (before, after)
+        stats = (await http.get("/stats?format=json")).json()
+        assert len(stats["topics"]) == 351
+        await conn.pub("topic7", b"again")  # an idle queue opens what it needs again
+        await durable.pub("durable7", b"again")
+        topic = next(t for t in (await http.get("/stats?format=json&topic=topic7")).json()["topics"])
+        assert topic["message_count"] == 2
+    finally:
+        await daemon.stop()
+    restarted = Daemon(tmp_path, f"--http-address=127.0.0.1:{http_port}")
+    try:
+        await restarted.wait_ready()
+        http = HTTPClient(http_port)
+        topics = {t["topic_name"]: t for t in (await http.get("/stats?format=json")).json()["topics"]}
+        assert len(topics) == 351
+        assert topics["topic7"]["channels"][0]["depth"] == 2  # both kept over the restart
+    finally:
+        await restarted.stop()
+
+
+async def test_a_second_daemon_on_the_same_data_path_refuses_to_start(tmp_path):
+    """One daemon per data path, as Go nsqd's dirlock (which takes the same lock, so the two
+    exclude each other too); the queues need no lock files of their own."""
+    first = Daemon(tmp_path)
+    try:
+        await first.wait_ready()
+        second = Daemon(tmp_path)
+        code = await trio.to_thread.run_sync(second.proc.wait, 20)
+        assert code == 1
+        assert f"--data-path={tmp_path} in use (possibly by another instance of nsqd)" in \
+            second.proc.stderr.read().decode()
+    finally:
+        assert await first.stop() == 0
+    assert not list(tmp_path.glob("*.lock"))

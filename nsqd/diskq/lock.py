@@ -1,8 +1,11 @@
-"""An exclusive lock on a queue's files.
+"""Exclusive locks on a queue's files, or on a whole data path.
 
 Two queue objects appending to the same segments would interleave records
-and fight over the metadata; an ``flock`` on a lock file turns that mistake
-into a clear error. The kernel drops the lock when the process dies.
+and fight over the metadata; an ``flock`` turns that mistake into a clear
+error. The kernel drops the lock when the process dies. A daemon locks its
+data path once (as Go nsqd's dirlock does) and opens its queues without
+lock files of their own: a descriptor for each idle queue would let clients
+that make topics run the process out of descriptors.
 """
 
 from __future__ import annotations
@@ -22,4 +25,19 @@ def acquire_queue_lock(path: Path, name: str) -> int:
     except BlockingIOError:
         os.close(fd)
         raise DiskQueueError(f"disk queue {name!r} is already open ({path} is locked)") from None
+    return fd
+
+
+def acquire_directory_lock(path: Path) -> int:
+    """Lock the directory ``path`` itself for this process; returns the descriptor holding the lock.
+
+    Raises BlockingIOError if another process holds it (Go nsqd takes the
+    same lock on its data path, so the two exclude each other too).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        os.close(fd)
+        raise
     return fd

@@ -123,6 +123,7 @@ class DiskQueue:
         sync_timeout: float = 2.0,
         present_files: list[str] | None = None,
         trash: TrashBin | None = None,
+        lock_file: bool = True,
     ) -> None:
         if not 0 <= min_msg_size <= max_msg_size <= MAX_RECORD_LENGTH:
             raise ValueError(
@@ -143,17 +144,17 @@ class DiskQueue:
         #: where emptied and deleted segments go to be unlinked off the loop (None: unlinked here)
         self._trash = trash
         self._log = logger.bind(queue=name)
-        try:
-            self._lock_fd = acquire_queue_lock(self._files.lock_path, name)
-        except OSError as exc:
-            raise DiskQueueError(f"disk queue {name!r}: cannot open in {data_path}: {exc}") from exc
+        #: the descriptor holding the queue's lock file; None when the owner locks the whole data path
+        self._lock_fd: int | None = None
+        self._lock_file = lock_file
+        self._lock()
         try:
             state = recover(self._files, min_msg_size, max_msg_size, self._log)
         except OSError as exc:
-            os.close(self._lock_fd)
+            self._unlock()
             raise DiskQueueError(f"disk queue {name!r}: cannot recover its files in {data_path}: {exc}") from exc
         except BaseException:
-            os.close(self._lock_fd)
+            self._unlock()
             raise
         self._writer = SegmentWriter(self._files, state.write_segment, state.write_position, max_bytes_per_file)
         self._reader = SegmentReader(self._files, self._writer, state.release_segment, state.release_position,
@@ -562,6 +563,7 @@ class DiskQueue:
                             with trio.move_on_at(self._last_checkpoint + self._sync_timeout):
                                 await self._wakeup.park()
                         else:  # clean: nothing is due until something changes
+                            self._rest()
                             await self._wakeup.park()
                     self._woken = False
                     if self._closed:
@@ -895,7 +897,7 @@ class DiskQueue:
         with self._gate.lock:
             self._gate.generation += 1
             if self._closed:  # closed earlier: hold the lock again while removing
-                self._lock_fd = acquire_queue_lock(self._files.lock_path, self.name)
+                self._lock()
             self._shut()
             self._discard_segments(self._files.list_segments())
             metadata = self._files.metadata_path
@@ -928,9 +930,40 @@ class DiskQueue:
         self._checkpoint_file.close()
         self._writer.close()
         self._reader.close()
-        os.close(self._lock_fd)
+        self._unlock()
         self._closed = True
         self._wake()
+
+    def _lock(self) -> None:
+        if not self._lock_file:
+            return
+        try:
+            self._lock_fd = acquire_queue_lock(self._files.lock_path, self.name)
+        except OSError as exc:
+            raise DiskQueueError(f"disk queue {self.name!r}: cannot open in {self._files.directory}: {exc}") from exc
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _rest(self) -> None:
+        """Nothing is due until something changes: give back the descriptors kept open for work.
+
+        A daemon may hold thousands of idle topics and channels; each kept its
+        checkpoint file, its segments and its io_uring open, so a client that
+        made topics could run the process out of descriptors. Each is opened
+        again at its next use.
+        """
+        with self._gate.lock:  # no round is in flight (run() is parking), but keep to the rule
+            self._gate.generation += 1
+            self._checkpoint_file.close()
+            if not self._writer.retired:
+                self._writer.close()
+            self._reader.close()
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
 
     def _release_waiters(self, error: DiskQueueError | None) -> None:
         self._release_synced()
