@@ -3,6 +3,8 @@
 import json
 import signal
 import ssl
+import subprocess
+import sys
 
 import h11
 import nsq
@@ -10,7 +12,7 @@ import pytest
 import trio
 import trustme
 
-from .support import FRAME_ERROR, FRAME_RESPONSE, Daemon, NSQConnection, running_nsqd, tcp_port
+from .support import FRAME_RESPONSE, Daemon, NSQConnection, running_nsqd, tcp_port
 from .test_pynsq import run_loop
 
 
@@ -261,6 +263,25 @@ def test_auth_decisions_follow_nsqd():
         parse_reply(json.dumps(grant("a", [], ["admin"])).encode(), now=0)
     with pytest.raises(AuthError, match="invalid TTL"):
         parse_reply(json.dumps(grant("a", [], ["publish"], ttl=0)).encode(), now=0)
+    # RE2's syntax, as Go's regexp: a backreference is no pattern there, so the reply is unusable
+    with pytest.raises(AuthError, match="invalid escape sequence"):
+        parse_reply(json.dumps(grant("(a)\\1", [".*"], ["publish"])).encode(), now=0)
+    with pytest.raises(AuthError, match="not a string"):
+        parse_reply(json.dumps(grant(5, [".*"], ["publish"])).encode(), now=0)
+
+
+def test_auth_patterns_match_in_linear_time():
+    """Python's re backtracks: this pattern and a 28-letter topic held the event loop 8 s, and
+    each letter more doubles that. The decision runs in a subprocess, so a regression fails by
+    its timeout instead of hanging the test run."""
+    code = (
+        "import json; from nsqd.auth import parse_reply; "
+        "state = parse_reply(json.dumps({'ttl': 60, 'authorizations': [{'topic': r'^([a-z]+_?)+\\.log$', "
+        "'channels': ['.*'], 'permissions': ['publish']}]}).encode(), now=0); "
+        "print(state.allows('a' * 64), state.allows('abc_def.log'))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)
+    assert done.stdout.split() == ["False", "True"], done.stderr
 
 
 async def test_e2e_processing_latency_in_stats(tmp_path):
