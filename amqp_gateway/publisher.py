@@ -124,6 +124,7 @@ class LinkPublisher:
                 failures.append((did, settled, Error(MESSAGE_SIZE_EXCEEDED, f"message larger than {max_size} bytes")))
                 continue
             if payload is NO_ROOM:
+                self.nsqd.body_budget.refusals += 1
                 failures.append((did, settled, Error(RESOURCE_LIMIT_EXCEEDED, (
                     "no memory free for messages arriving over several frames "
                     "(--max-body-memory is in use by other clients); try again"))))

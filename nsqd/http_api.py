@@ -26,7 +26,7 @@ import structlog
 import trio
 
 from . import auth, http_server, message, metrics, policy, stats
-from .body_budget import BIG_BODY
+from .body_budget import BIG_BODY, NO_ROOM
 from .broker import PublishError, PublishInSteps, Receipt
 from .channel import ChannelExiting
 from .diskq import DiskQueueError
@@ -433,7 +433,7 @@ class HTTPAPI:
             binary = _BOOL_PARAMS.get(binary_param, True)
             if binary_param not in _BOOL_PARAMS:
                 log.warning("deprecated value used for /mpub binary param", value=binary_param)
-        async with self._body_memory(request, opts.max_body_size):
+        async with self._body_memory(request, opts.max_body_size, "MPUB"):
             body = await request.read_body(opts.max_body_size)
             if len(body) > opts.max_body_size:
                 raise HTTPError(413, "BODY_TOO_BIG")
@@ -462,15 +462,23 @@ class HTTPAPI:
         await self._publish("MPUB", topic_name, bodies)
 
     @asynccontextmanager
-    async def _body_memory(self, request: Request, limit: int):
+    async def _body_memory(self, request: Request, limit: int, command: str):
         """Hold the shared body budget while a big body is read and published (see body_budget.py):
-        its declared size, or ``limit`` for a chunked one."""
+        its declared size, or ``limit`` for a chunked one. Without room in time the body is read
+        and dropped, and the request answered ``503 <command>_FAILED: ...; try again``."""
         size = limit if request.content_length is None else min(request.content_length, limit)
         if size <= BIG_BODY:
             yield
             return
         budget = self.nsqd.body_budget
-        await budget.take(size)
+        if not await budget.take(size):
+            received = 0
+            while received <= limit:  # past it the connection closes with the answer
+                piece = await request.receive()
+                if not piece:
+                    break
+                received += len(piece)
+            raise HTTPError(503, f"{command}_FAILED: {NO_ROOM}")
         try:
             yield
         finally:
@@ -527,7 +535,7 @@ class HTTPAPI:
         snapshot = await stats.snapshot_paced(self.nsqd, include_clients=False)
         budget = self.nsqd.body_budget
         return await metrics.render_paced(snapshot, len(self.nsqd.clients),
-                                          (budget.used, budget.capacity, budget.waits))
+                                          (budget.used, budget.capacity, budget.waits, budget.refusals))
 
     # ------------------------------------------------- policies beyond nsqd
     async def topic_limits(self, request: Request) -> dict:

@@ -53,18 +53,19 @@ def snapshot_fsyncs(snapshot: stats.NSQDStats) -> int:
     return sum(t.disk_syncs + sum(c.disk_syncs for c in t.channels) for t in snapshot.topics)
 
 
-def render(snapshot: stats.NSQDStats, clients: int, body_memory: tuple[int, int, int] = (0, 0, 0)) -> bytes:
-    """``body_memory``: the shared budget of big bodies being received: (bytes held, capacity, waits)."""
+def render(snapshot: stats.NSQDStats, clients: int, body_memory: tuple[int, int, int, int] = (0, 0, 0, 0)) -> bytes:
+    """``body_memory``: the shared budget of big bodies being received: (bytes held, capacity, waits,
+    refusals)."""
     return "".join(_pieces(snapshot, clients, body_memory)).encode()
 
 
 async def render_paced(snapshot: stats.NSQDStats, clients: int,
-                       body_memory: tuple[int, int, int] = (0, 0, 0)) -> bytes:
+                       body_memory: tuple[int, int, int, int] = (0, 0, 0, 0)) -> bytes:
     """:func:`render`, letting other work run between metric families (see ``stats.Pacer``)."""
     return await stats.paced(_pieces(snapshot, clients, body_memory))
 
 
-def _pieces(snapshot: stats.NSQDStats, clients: int, body_memory: tuple[int, int, int]) -> Iterator[str]:
+def _pieces(snapshot: stats.NSQDStats, clients: int, body_memory: tuple[int, int, int, int]) -> Iterator[str]:
     """The exposition, one piece a metric family of topics or channels."""
     out: list[str] = []
     add = out.append
@@ -86,7 +87,7 @@ def _pieces(snapshot: stats.NSQDStats, clients: int, body_memory: tuple[int, int
     add("# HELP nsqd_clients Connected TCP clients.")
     add("# TYPE nsqd_clients gauge")
     add(f"nsqd_clients {clients}")
-    held, capacity, waits = body_memory
+    held, capacity, waits, refusals = body_memory
     add("# HELP nsqd_body_memory_bytes Bytes of --max-body-memory held by big bodies being received.")
     add("# TYPE nsqd_body_memory_bytes gauge")
     add(f"nsqd_body_memory_bytes {held}")
@@ -96,6 +97,10 @@ def _pieces(snapshot: stats.NSQDStats, clients: int, body_memory: tuple[int, int
     add("# HELP nsqd_body_memory_waits_total Big bodies that waited for room in --max-body-memory.")
     add("# TYPE nsqd_body_memory_waits_total counter")
     add(f"nsqd_body_memory_waits_total {waits}")
+    add("# HELP nsqd_body_memory_refusals_total Big bodies refused for want of room in --max-body-memory "
+        "(dropped as they arrived; the client was told to try again).")
+    add("# TYPE nsqd_body_memory_refusals_total counter")
+    add(f"nsqd_body_memory_refusals_total {refusals}")
     for name, kind, help_text, attr in _TOPIC:
         add(f"# HELP nsqd_topic_{name} {help_text}")
         add(f"# TYPE nsqd_topic_{name} {kind}")

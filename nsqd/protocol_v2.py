@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from . import message
+from .body_budget import NO_ROOM
 from .broker import PublishError, PublishInSteps, SubscribeError
 from .client_v2 import STATE_CLOSING, STATE_INIT, STATE_SUBSCRIBED, ClientV2
 from .mpub import BadBatch, MpubBatch, split_mpub
@@ -69,6 +70,8 @@ _FIN_LINE = 21  # "FIN " + 16-byte id + "\n"
 #: is nsqd's fatal "invalid message ID"; other bytes lose only speed there
 _FIN_RUN = re.compile(rb"(?:FIN [!-~]{16}\n)+")
 PARSE_ERROR = b"!ERR"
+#: a body command whose body was dropped as it arrived (see V2Parser.skip_awaited); params: [name]
+SKIPPED = b"!SKIP"
 _BODY_COMMANDS = frozenset((b"PUB", b"MPUB", b"DPUB", b"IDENTIFY", b"AUTH"))
 _I32 = struct.Struct(">i")
 _OK = message.encode_response(b"OK")
@@ -129,6 +132,9 @@ class V2Parser:
         self.awaiting = 0
         self._buf = bytearray()
         self._failed = False
+        #: bytes of a skipped body command still to arrive and be dropped, and its name
+        self._skip = 0
+        self._skipped: bytes | None = None
         #: what nsqd refuses a body command for before its line: the connection's state (the
         #: protocol sets it; the state lives there); ``(code, description)`` or None
         self.refusal_before_line: Callable[[bytes], tuple[str, str] | None] = _no_refusal
@@ -139,7 +145,26 @@ class V2Parser:
         self.after_previous: frozenset[bytes] = frozenset((b"IDENTIFY", b"AUTH"))
 
     def receive_data(self, data: bytes) -> None:
+        skip = self._skip
+        if skip:
+            dropped = min(skip, len(data))
+            self._skip = skip - dropped
+            data = data[dropped:]
         self._buf += data
+
+    def skip_awaited(self) -> None:
+        """Drop the body command the buffer starts with (see :attr:`awaiting`) and the rest of it
+        as it arrives; once it has, :meth:`commands` yields ``(SKIPPED, [name], None)`` in its place.
+
+        For a body the daemon has no memory for: reading it on, rather than
+        hanging up, keeps the connection and lets the client be told why.
+        """
+        buf = self._buf
+        name = bytes(buf[:buf.find(b"\n")]).split(b" ")[0]
+        self._skip = self.awaiting - len(buf)
+        self._skipped = name
+        self._buf = bytearray()
+        self.awaiting = 0
 
     @property
     def buffered(self) -> int:
@@ -150,15 +175,21 @@ class V2Parser:
         self._buf = bytearray()
         self.more = False
         self.awaiting = 0
+        self._skip = 0
+        self._skipped = None
 
     def commands(self, limit: int = STEP_COMMANDS) -> list[tuple[bytes, list, bytes | None]]:
         """Up to ``limit`` complete commands; :attr:`more` tells whether others are buffered."""
         buf = self._buf
         self.more = False
         self.awaiting = 0
-        if self._failed or not buf:
-            return []
         out: list[tuple[bytes, list, bytes | None]] = []
+        if self._skipped is not None and not self._skip:
+            out.append((SKIPPED, [self._skipped], None))
+            self._skipped = None
+        if self._failed or not buf:
+            self.parsed += len(out)
+            return out
         fins: list[bytes] | None = None
         budget = limit * FINS_PER_COMMAND  # in FINs
         pos = 0
@@ -415,6 +446,9 @@ class ProtocolV2:
                     return
                 continue
             try:
+                if name is SKIPPED:
+                    command = params[0].decode(errors="replace")
+                    raise ClientError(f"E_{command}_FAILED", f"{command} failed {NO_ROOM}", fatal=False)
                 if name is PARSE_ERROR:
                     if params[0] is None:  # nsqd's read failed: it hangs up without an answer
                         log.warning("client error", client=client.remote_address, error=params[1])

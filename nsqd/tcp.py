@@ -302,8 +302,10 @@ class Connection:
             self._expect_command()
             if not self._fit_body_reservation():  # the deadline keeps running while it waits
                 need = parser.awaiting
-                await self.nsqd.body_budget.take(need)
-                self._body_reserved = need
+                if await self.nsqd.body_budget.take(need):
+                    self._body_reserved = need
+                else:  # no room in time: its body is dropped as it arrives, then refused
+                    parser.skip_awaited()
             data = await self._receive()
             self._read_deadline = math.inf
             if not data:

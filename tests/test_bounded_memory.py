@@ -14,9 +14,10 @@ import pytest
 import trio
 
 from amqp_gateway import performatives as p
+from nsqd import body_budget
 
-from .conftest import HTTPClient
-from .support import FRAME_MESSAGE, NSQConnection, free_port
+from .conftest import HTTPClient, http_port
+from .support import FRAME_MESSAGE, NSQConnection, free_port, mpub_body, running_nsqd, tcp_port
 from .test_amqp_raw import Client
 
 MIB = 1024 * 1024
@@ -227,3 +228,38 @@ async def test_an_http_mpub_waits_for_room_in_the_body_budget_and_then_completes
         assert stats["topics"][0]["depth"] == 3000
     finally:
         daemon.stop()
+
+
+async def test_a_big_body_that_finds_no_room_in_time_is_dropped_and_refused(tmp_path, monkeypatch):
+    """A client that declares a big body and sends nothing holds the budget for nothing; its
+    victims waited for as long as it cared to reconnect. Past ROOM_WAIT without room a body is
+    read and dropped as it arrives (nothing held) and its command refused, with "try again":
+    TCP's MPUB with a non-fatal E_MPUB_FAILED (the connection goes on), HTTP's /mpub with 503."""
+    monkeypatch.setattr(body_budget, "ROOM_WAIT", 0.3)
+    async with running_nsqd(tmp_path, max_body_memory=3 * MIB, http_address="127.0.0.1:0") as nsqd:
+        budget = nsqd.body_budget
+        squatter = await NSQConnection.open(tcp_port(nsqd))
+        await squatter.send(b"MPUB t\n" + struct.pack(">i", 3 * MIB - 100))  # and nothing more
+        with trio.fail_after(5):
+            while not budget.used:
+                await trio.sleep(0.01)
+        victim = await NSQConnection.open(tcp_port(nsqd))
+        body = mpub_body([b"y" * 1000] * 2000)  # 2 MB
+        await victim.send(b"MPUB big\n" + struct.pack(">i", len(body)) + body + b"NOP\n")
+        await victim.expect_error(f"E_MPUB_FAILED MPUB failed {body_budget.NO_ROOM}")
+        await victim.pub("small", b"x")  # the connection goes on, the NOP behind the body was read
+        lines = b"z" * 999 + b"\n"
+        response = await HTTPClient(http_port(nsqd)).post("/mpub?topic=http", lines * 2000)
+        assert (response.status, response.json()) == (503, {"message": f"MPUB_FAILED: {body_budget.NO_ROOM}"})
+        assert budget.refusals == 2 and "big" not in nsqd.topics and "http" not in nsqd.topics
+        metrics = (await HTTPClient(http_port(nsqd)).get("/metrics")).body.decode()
+        assert "nsqd_body_memory_refusals_total 2\n" in metrics
+
+        await squatter.close()  # room again: the same publishes go through
+        with trio.fail_after(5):
+            while budget.used:
+                await trio.sleep(0.01)
+        await victim.mpub("big", [b"y" * 1000] * 2000)
+        response = await HTTPClient(http_port(nsqd)).post("/mpub?topic=http", lines * 2000)
+        assert (response.status, response.body) == (200, b"OK")
+        assert (nsqd.topics["big"].message_count, nsqd.topics["http"].message_count) == (2000, 2000)

@@ -7,7 +7,8 @@ from hypothesis import given, strategies as st
 
 from nsqd.mpub import BadBatch, split_mpub
 from nsqd.protocol_v2 import (
-    FIN_BATCH, FINS_PER_COMMAND, MAX_LINE, PARSE_ERROR, STEP_COMMANDS, V2Parser, go_base10, go_int64, go_millis_ns,
+    FIN_BATCH, FINS_PER_COMMAND, MAX_LINE, PARSE_ERROR, SKIPPED, STEP_COMMANDS, V2Parser, go_base10, go_int64,
+    go_millis_ns,
 )
 
 MID = b"0123456789abcdef"
@@ -229,3 +230,21 @@ def test_split_mpub_checks_every_size_even_when_the_total_looks_uniform():
         split_mpub(_mpub_body([b"ab"] * 3) + b"x", 100, 10_000)
     with pytest.raises(BadBatch, match="MPUB message too big 200 > 100"):
         split_mpub(_mpub_body([b"x" * 200] * 4), 100, 10_000)  # uniform but too big: the careful path's error
+
+
+def test_a_skipped_body_is_dropped_as_it_arrives_and_answered_in_its_place():
+    """The daemon had no memory for the body: it is read on and dropped, never buffered, and the
+    commands after it parse as usual."""
+    p = new_parser(max_body=10_000)
+    body = struct.pack(">i", 2) + struct.pack(">i", 3000) + b"a" * 3000 + struct.pack(">i", 3000) + b"b" * 3000
+    data = b"MPUB t\n" + struct.pack(">i", len(body)) + body + b"NOP\n"
+    p.receive_data(data[:1000])
+    assert p.commands() == [] and p.awaiting == 11 + len(body)
+    p.skip_awaited()
+    assert (p.buffered, p.awaiting) == (0, 0)
+    for start in range(1000, len(data), 700):
+        p.receive_data(data[start:start + 700])
+        assert p.buffered <= 4  # nothing of the body is kept
+        if start + 700 < len(data) - 4:
+            assert p.commands() == []
+    assert p.commands() == [(SKIPPED, [b"MPUB"], None), (b"NOP", [b"NOP"], None)]
