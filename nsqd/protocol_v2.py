@@ -262,7 +262,7 @@ class V2Parser:
             return "E_INVALID", f"{name.decode()} insufficient number of parameters"
         topic = params[1].decode(errors="replace")
         if not is_valid_topic_name(topic):
-            return "E_BAD_TOPIC", bad_topic_text(name.decode(), topic)
+            return "E_BAD_TOPIC", bad_topic_text(name.decode(), params[1])
         if name == b"DPUB":
             try:
                 timeout_ms = go_base10(params[2], "DPUB could not parse timeout")
@@ -299,7 +299,7 @@ def _no_refusal(_what) -> None:
     return None
 
 
-def bad_topic_text(cmd: str, topic: str) -> str:
+def bad_topic_text(cmd: str, topic: bytes | str) -> str:
     """The description of an E_BAD_TOPIC; nsqd's MPUB writes its code into it as well
     (the frame reads ``E_BAD_TOPIC E_BAD_TOPIC MPUB ...``), and clients may match the text."""
     text = f"{cmd} topic name {_go_quote(topic)} is not valid"
@@ -563,7 +563,7 @@ class ProtocolV2:
             raise ClientError("E_INVALID", f"{cmd} insufficient number of parameters")
         name = params[1].decode(errors="replace")
         if not is_valid_topic_name(name):
-            raise ClientError("E_BAD_TOPIC", bad_topic_text(cmd, name))
+            raise ClientError("E_BAD_TOPIC", bad_topic_text(cmd, params[1]))
         return name
 
     # ------------------------------------------------------------ commands
@@ -660,7 +660,7 @@ class ProtocolV2:
         topic_name = self._topic_name(params, "SUB", 3)
         channel_name = params[2].decode(errors="replace")
         if not is_valid_channel_name(channel_name):
-            raise ClientError("E_BAD_CHANNEL", f"SUB channel name {_go_quote(channel_name)} is not valid")
+            raise ClientError("E_BAD_CHANNEL", f"SUB channel name {_go_quote(params[2])} is not valid")
         self._check_auth("SUB", topic_name, channel_name)
         try:
             sub = self.nsqd.subscribe(topic_name, channel_name, client, budget=client.budget,
@@ -745,7 +745,7 @@ class ProtocolV2:
             raise ClientError("E_INVALID", f"{cmd} insufficient number of params")
         name = params[1].decode(errors="replace") if len(params) > 1 else ""
         if name and not _LEASE_NAME.match(name):
-            raise ClientError("E_BAD_LEASE", f"{cmd} lease name {_go_quote(name)} is not valid")
+            raise ClientError("E_BAD_LEASE", f"{cmd} lease name {_go_quote(params[1])} is not valid")
         return name
 
     def LEASE(self, params, body, now_ns):
@@ -979,6 +979,33 @@ def _lease_response(fields: dict) -> bytes:
     return message.encode_response(json.dumps(fields, separators=(",", ":")).encode())
 
 
-def _go_quote(text: str) -> str:
-    """Go's %q for the names we echo back in errors."""
-    return json.dumps(text, ensure_ascii=False)
+_GO_ESCAPES = {7: "\\a", 8: "\\b", 9: "\\t", 10: "\\n", 11: "\\v", 12: "\\f", 13: "\\r",
+               0x22: '\\"', 0x5C: "\\\\"}
+
+
+def _go_quote(raw: bytes | str) -> str:
+    """Go's %q (``strconv.Quote``) for the names we echo back in errors, from their bytes.
+
+    Printable characters as they are, Go's short escapes, other control
+    bytes as ``\\xHH`` (JSON wrote ``\\u0000``), bytes that are not UTF-8 as
+    ``\\xHH`` (a decode had made them U+FFFD), other unprintable characters as
+    ``\\uHHHH`` or ``\\UHHHHHHHH``.
+    """
+    text = raw.decode("utf-8", "surrogateescape") if isinstance(raw, bytes) else raw
+    out = ['"']
+    for ch in text:
+        code = ord(ch)
+        if 0xDC80 <= code <= 0xDCFF:  # a byte that was not UTF-8
+            out.append(f"\\x{code - 0xDC00:02x}")
+        elif code in _GO_ESCAPES:
+            out.append(_GO_ESCAPES[code])
+        elif ch.isprintable():
+            out.append(ch)
+        elif code < 0x20 or code == 0x7F:
+            out.append(f"\\x{code:02x}")
+        elif code < 0x10000:
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(f"\\U{code:08x}")
+    out.append('"')
+    return "".join(out)

@@ -65,6 +65,13 @@ FATAL = [
      [OK, (FRAME_ERROR, b"E_INVALID DPUB insufficient number of parameters")]),
     ("PUB with a bad topic", PUB_OK + b"PUB a/b\n", [OK, (FRAME_ERROR, b'E_BAD_TOPIC PUB topic name "a/b" is not valid')]),
     ("PUB with two spaces", PUB_OK + b"PUB  t\n", [OK, (FRAME_ERROR, b'E_BAD_TOPIC PUB topic name "" is not valid')]),
+    # names echoed as Go's %q writes them (strconv.Quote), from their bytes
+    ("PUB with a NUL in the topic", PUB_OK + b"PUB t\x00x\n",
+     [OK, (FRAME_ERROR, b'E_BAD_TOPIC PUB topic name "t\\x00x" is not valid')]),
+    ("PUB with a byte that is not UTF-8", PUB_OK + b"PUB a\xffb\n",
+     [OK, (FRAME_ERROR, b'E_BAD_TOPIC PUB topic name "a\\xffb" is not valid')]),
+    ("SUB with a tab and a no-break space", PUB_OK + b"SUB t a\tb\xc2\xa0c\n",
+     [OK, (FRAME_ERROR, b'E_BAD_CHANNEL SUB channel name "a\\tb\\u00a0c" is not valid')]),
     ("AUTH with a parameter", PUB_OK + b"AUTH secret\n", [OK, (FRAME_ERROR, b"E_INVALID AUTH invalid number of parameters")]),
     # ---- sizes: negative, zero, near 2**31
     ("MPUB count -1", PUB_OK + b"MPUB t\n" + body(struct.pack(">i", -1)),
