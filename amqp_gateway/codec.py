@@ -262,33 +262,56 @@ def encode_map(v: dict) -> bytes:
     return _compound(b"".join(parts), len(parts), 0xC1, 0xD1)
 
 
+#: element constructors that write no bytes per value (spec 1.6.2, 1.6.22) are written in the
+#: form that does, so every array the decoder accepts can be encoded again
+_WITH_BODY = {TRUE: 0x56, FALSE: 0x56, 0x45: 0xC0}
+#: the 32-bit form of a variable-width constructor, for arrays with an element too big for the 8-bit one
+_WIDE = {0xA0: 0xB0, 0xA1: 0xB1, 0xA3: 0xB3, 0xC0: 0xD0, 0xC1: 0xD1, 0xE0: 0xF0}
+
+
 def _enc_array(v: Array) -> bytes:
-    body = _BODY.get(v.code)
-    if body is None:
-        if v.code not in (0xC0, 0xD0, 0xC1, 0xD1):
-            raise TypeError(f"cannot encode array elements of type 0x{v.code:02x}")
-        body = _compound_body(v.code)
-    constructor = bytes([v.code])
+    content, count = _array_content(v)
+    return _compound(content, count, 0xE0, 0xF0)
+
+
+def _array_content(v: Array) -> tuple[bytes, int]:
+    """An array's element constructor and element bodies, and its count."""
+    code = _WITH_BODY.get(v.code, v.code)
+    try:
+        items = b"".join([_element_body(code)(x) for x in v.items])
+    except struct.error:  # an element too big for the 8-bit form
+        if code not in _WIDE:
+            raise
+        code = _WIDE[code]
+        items = b"".join([_element_body(code)(x) for x in v.items])
+    constructor = bytes([code])
     if v.descriptor is not None:
         constructor = b"\x00" + encode(v.descriptor) + constructor
-    items = b"".join([body(x) for x in v.items])
-    head = constructor
-    if len(items) + len(head) + 1 < 256 and len(v.items) < 256:
-        return b"\xe0" + _BB.pack(len(items) + len(head) + 1, len(v.items)) + head + items
-    return b"\xf0" + _II.pack(len(items) + len(head) + 4, len(v.items)) + head + items
+    return constructor + items, len(v.items)
+
+
+def _element_body(code: int) -> Callable[[Any], bytes]:
+    body = _BODY.get(code)
+    if body is not None:
+        return body
+    if code not in (0xC0, 0xD0, 0xC1, 0xD1, 0xE0, 0xF0):
+        raise TypeError(f"cannot encode array elements of type 0x{code:02x}")
+    return _compound_body(code)
 
 
 def _compound_body(code: int) -> Callable[[Any], bytes]:
-    """Element bodies of arrays of lists or maps, in the width ``code`` names."""
+    """Element bodies of arrays of lists, maps or arrays, in the width ``code`` names."""
 
     def body(x) -> bytes:
         if code in (0xC0, 0xD0):
             encoded = b"".join([encode(i) for i in x])
             count = len(x)
-        else:
+        elif code in (0xC1, 0xD1):
             encoded = b"".join([encode(k) + encode(val) for k, val in x.items()])
             count = 2 * len(x)
-        if code & 0xF0 == 0xC0:
+        else:
+            encoded, count = _array_content(x)
+        if code in (0xC0, 0xC1, 0xE0):
             return _BB.pack(len(encoded) + 1, count) + encoded
         return _II.pack(len(encoded) + 4, count) + encoded
 

@@ -178,6 +178,40 @@ def test_corrupted_encodings_raise_only_decode_error(value, data):
             pass
 
 
+@pytest.mark.parametrize("hex_bytes, code", [
+    ("e0020141", 0x56),                   # array of booleans written with true (0x41)
+    ("e0020142", 0x56),                   # ... and with false (0x42)
+    ("e0020145", 0xC0),                   # array of empty lists (0x45)
+    ("e00401c00100", 0xC0),               # array of lists
+    ("e00401c10100", 0xC1),               # array of maps
+    ("e00601e0030156 01", 0xE0),          # array of arrays of booleans
+    ("f00000000f 00000001 f0 00000006 00000001 56 00", 0xF0),  # the same, 32-bit forms
+    ("e0060100a301784 1", 0x56),          # array of described booleans
+])
+def test_every_array_the_decoder_accepts_encodes_again(hex_bytes, code):
+    value, _ = decode(bytes.fromhex(hex_bytes.replace(" ", "")))
+    again, _ = decode(encode(value))
+    assert (again.code, again.items, again.descriptor) == (code, value.items, value.descriptor)
+
+
+def test_array_elements_too_big_for_the_8_bit_form_take_the_32_bit_one():
+    value = Array(0xE0, [Array(0xA0, [b"x" * 300]), Array(0xA0, [])])
+    again, _ = decode(encode(value))
+    assert again.code == 0xF0 and again.items[0].code == 0xB0 and again.items[0].items == [b"x" * 300]
+
+
+@given(st.binary(max_size=60))
+@settings(max_examples=3000, deadline=None)
+def test_whatever_decodes_encodes_again(data):
+    # arrays mostly: an array header in front makes fuzzed bytes arrays of odd element types
+    for candidate in (data, b"\xe0" + data, b"\xe0" + bytes([len(data) + 1]) + b"\x01" + data):
+        try:
+            value, _ = decode(candidate)
+        except DecodeError:
+            continue
+        decode(encode(value))
+
+
 @pytest.mark.parametrize("hex_bytes", [
     "",                       # nothing
     "ff",                     # no such constructor

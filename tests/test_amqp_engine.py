@@ -579,19 +579,49 @@ def test_dispositions_settle_ranges_and_report_per_link():
     assert not client_link.session.unsettled
 
 
-def test_unsettled_terminal_outcome_is_settled_by_the_sender():
-    pair = Pair()
+def _settle_unsettled_delivery(pair: Pair, state):
+    """The server sends the client one unsettled delivery; the client gives it ``state``, unsettled.
+    Returns the server's link."""
     client_link, server_link = pair.link(p.RECEIVER)
     client_link.flow(credit=1)
     pair.exchange()
     server_link.send_transfers([b"m"], [b"x"], False)
     pair.exchange()
     (transfers,) = pair.take("client", ev.Transfers)
-    client_link.session.send(p.Disposition(p.RECEIVER, transfers.deliveries[0][0], None, False, p.Released()))
+    client_link.session.send(p.Disposition(p.RECEIVER, transfers.deliveries[0][0], None, False, state))
+    return server_link
+
+
+def test_unsettled_terminal_outcome_is_settled_by_the_sender():
+    pair = Pair()
+    server_link = _settle_unsettled_delivery(pair, p.Released())
     pair.exchange()
     (settled,) = pair.take("server", ev.Settled)
     assert settled.tags == [b"m"] and not settled.settled
     assert not server_link.session.unsettled
+
+
+class Raw:
+    """Bytes sent as they are, where a value belongs."""
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+
+    def encode_amqp(self) -> bytes:
+        return self.raw
+
+
+def test_an_outcome_with_any_valid_array_is_settled_back_as_it_came():
+    """The settling disposition repeats the peer's state: arrays of booleans (0x41 elements), of
+    empty lists, of arrays are valid AMQP (spec 1.6) and must encode again."""
+    pair = Pair()
+    arrays = {"bools": Raw(b"\xe0\x02\x01\x41"), "lists": Raw(b"\xe0\x02\x01\x45"),
+              "arrays": Raw(b"\xe0\x06\x01\xe0\x03\x01\x56\x01")}
+    _settle_unsettled_delivery(pair, p.Modified(True, False, arrays))
+    pair.exchange()
+    (settled,) = pair.take("server", ev.Settled)
+    assert settled.state.message_annotations["bools"].items == [True]
+    assert not pair.server.close_sent
 
 
 def test_detach_by_the_peer_is_answered():

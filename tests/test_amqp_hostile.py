@@ -19,6 +19,7 @@ from amqp_gateway.errors import (
 from amqp_gateway.framing import AMQP_HEADER, SASL_HEADER, encode_frame
 
 from .conftest import HTTPClient, http_port
+from .test_amqp_engine import Raw
 from .test_amqp_raw import Client, eventually, gateway
 
 OPEN = encode_frame(0, p.Open("hostile").encode_amqp())
@@ -233,3 +234,16 @@ async def test_unfinished_deliveries_share_the_daemons_body_memory(tmp_path, log
         assert nsqd.topics["big"].message_count == 1  # the refused one was not stored
         await client.aclose()
         await still_serving(nsqd)
+
+
+async def test_a_terminus_we_echo_may_hold_any_valid_array(tmp_path, logs):
+    """A publisher's source comes back in our attach: an array of booleans written with 0x41
+    elements (spec 1.6) is valid, and must not crash the connection when encoded again."""
+    async with gateway(tmp_path) as nsqd:
+        client = await Client.connect(nsqd.amqp_port)
+        link = client.session.attach("arrays", p.SENDER)
+        link.attach(Raw(b"\xe0\x02\x01\x41"), p.Target("/topics/t"))
+        await client.until(lambda: link.attach_received)
+        assert link.remote_attach.source.items == [True]
+        outcomes = await client.publish(link, [b"m"])
+        assert isinstance(outcomes[0], p.Accepted)
