@@ -97,6 +97,13 @@ _ENCODE: dict[str, Callable[[Any], bytes]] = {
 }
 
 
+def composite_kind(kind: str, cls: type) -> None:
+    """Let fields be declared of the composite type ``cls`` (``kind``, as the spec names it): a
+    field the code reads as a ``cls`` holds one or nothing, anything else there is a decode error."""
+    _CHECK[kind] = _check_type(kind, cls)
+    _ENCODE[kind] = codec.encode
+
+
 def amqp_field(kind: str, default: Any = None, mandatory: bool = False) -> Any:
     """Declare a field: its AMQP type (see ``_CHECK``), spec default, mandatory flag."""
     if kind not in _CHECK:

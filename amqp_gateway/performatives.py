@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .composite import amqp_field, composite
+from .composite import amqp_field, composite, composite_kind
 
 SENDER = False
 RECEIVER = True
@@ -30,6 +30,8 @@ class Error:
     description: str | None = amqp_field("string")
     info: dict | None = amqp_field("map")
 
+
+composite_kind("error", Error)
 
 # ------------------------------------------------------------ performatives
 @composite(0x10, "amqp:open:list")
@@ -120,17 +122,17 @@ class Disposition:
 class Detach:
     handle: int = amqp_field("uint", mandatory=True)
     closed: bool = amqp_field("boolean", False)
-    error: Error | None = amqp_field("*")
+    error: Error | None = amqp_field("error")
 
 
 @composite(0x17, "amqp:end:list")
 class End:
-    error: Error | None = amqp_field("*")
+    error: Error | None = amqp_field("error")
 
 
 @composite(0x18, "amqp:close:list")
 class Close:
-    error: Error | None = amqp_field("*")
+    error: Error | None = amqp_field("error")
 
 
 # ------------------------------------------------------------------- SASL
@@ -176,7 +178,7 @@ class Accepted:
 
 @composite(0x25, "amqp:rejected:list")
 class Rejected:
-    error: Error | None = amqp_field("*")
+    error: Error | None = amqp_field("error")
 
 
 @composite(0x26, "amqp:released:list")

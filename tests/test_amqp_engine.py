@@ -65,6 +65,16 @@ class Pair:
         return link, server_link
 
 
+class Raw:
+    """Bytes sent as they are, where a value belongs."""
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+
+    def encode_amqp(self) -> bytes:
+        return self.raw
+
+
 # ------------------------------------------------------------ connection
 def test_open_negotiates_frame_size_channels_and_idle_timeout():
     pair = Pair(max_frame_size=4096, channel_max=7, idle_timeout=30)
@@ -157,6 +167,24 @@ def test_protocol_violations_close_the_connection_with_an_error(frame, condition
     server = _opened_server()
     events = server.receive_data(frame)
     assert _close_error(server, events) == condition
+
+
+@pytest.mark.parametrize("body", [
+    b"\x00\x53\x18\xc0\x04\x01\xa1\x01x",                                 # close{error="x"}
+    b"\x00\x53\x18\xc0\x02\x01\x45",                                       # close{error=[]}
+    b"\x00\x53\x17\xc0\x03\x01\x52\x07",                                   # end{error=7}
+    p.Detach(0, True, Raw(b"\xa1\x01x")).encode_amqp(),                     # detach{error="x"}
+    p.Disposition(p.RECEIVER, 0, None, False, p.Rejected(Raw(b"\x45"))).encode_amqp(),  # rejected{error=[]}
+])
+def test_an_error_field_that_is_not_an_error_is_a_decode_error(body):
+    """Spec 2.8.14: an error field holds an amqp:error list; the code reads its condition."""
+    server = _opened_server()
+    server.receive_data(encode_frame(0, p.Begin(None, 0, 100, 100).encode_amqp()))
+    server.receive_data(encode_frame(0, p.Attach("l", 0, p.SENDER, source=p.Source(), target=p.Target(),
+                                                initial_delivery_count=0).encode_amqp()))
+    server.data_to_send()
+    events = server.receive_data(encode_frame(0, body))
+    assert _close_error(server, events) == errors.DECODE_ERROR
 
 
 def test_a_violation_before_open_still_sends_open_then_close():
@@ -599,16 +627,6 @@ def test_unsettled_terminal_outcome_is_settled_by_the_sender():
     (settled,) = pair.take("server", ev.Settled)
     assert settled.tags == [b"m"] and not settled.settled
     assert not server_link.session.unsettled
-
-
-class Raw:
-    """Bytes sent as they are, where a value belongs."""
-
-    def __init__(self, raw: bytes) -> None:
-        self.raw = raw
-
-    def encode_amqp(self) -> bytes:
-        return self.raw
 
 
 def test_an_outcome_with_any_valid_array_is_settled_back_as_it_came():

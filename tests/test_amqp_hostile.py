@@ -247,3 +247,13 @@ async def test_a_terminus_we_echo_may_hold_any_valid_array(tmp_path, logs):
         assert link.remote_attach.source.items == [True]
         outcomes = await client.publish(link, [b"m"])
         assert isinstance(outcomes[0], p.Accepted)
+
+
+@pytest.mark.parametrize("body, got", [(b"\x00\x53\x18\xc0\x04\x01\xa1\x01x", "str"),
+                                       (b"\x00\x53\x18\xc0\x02\x01\x45", "list")])
+async def test_a_close_whose_error_is_not_an_error_is_answered(tmp_path, logs, body, got):
+    """close{error="x"} or close{error=[]}: a decode error, but still a close we answer (spec 2.4.3)."""
+    async with gateway(tmp_path) as nsqd:
+        error = await closed_by_gateway(nsqd.amqp_port, AMQP_HEADER + OPEN + encode_frame(0, body))
+        assert (error.condition, error.description) == (DECODE_ERROR, f"expected error, got {got}")
+        await still_serving(nsqd)
