@@ -127,18 +127,25 @@ class Link:
 
     def apply_flow(self, delivery_count: int | None, credit: int | None, drain: bool,
                    available: int | None) -> None:
-        """The peer's link state from a flow frame (spec 2.6.7)."""
+        """The peer's link state from a flow frame (spec 2.6.7).
+
+        The sender's delivery-count is authoritative: a receiver's count ahead of
+        ours, or a sender's count gone backwards, adds no credit. Credit is any
+        uint, so it is added to the (small, signed) distance between the counts
+        rather than taken as a serial number (2**31 and more would wrap).
+        """
         if self.role is SENDER:
             if credit is None:
                 return
             rcv_count = self.initial_delivery_count if delivery_count is None else delivery_count
-            self.credit = max(serial.diff(serial.add(rcv_count, credit), self.delivery_count), 0)
+            in_flight = min(serial.diff(rcv_count, self.delivery_count), 0)
+            self.credit = max(credit + in_flight, 0)
             self.drain = drain
         else:
             if delivery_count is not None:
-                limit = serial.add(self.delivery_count, self.credit)
+                used = max(serial.diff(delivery_count, self.delivery_count), 0)  # a drain used this much
                 self.delivery_count = delivery_count
-                self.credit = max(serial.diff(limit, delivery_count), 0)
+                self.credit = max(self.credit - used, 0)
             if available is not None:
                 self.available = available
 

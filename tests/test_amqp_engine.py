@@ -395,6 +395,40 @@ def test_sender_credit_formula_across_a_flow_in_flight(initial):
     assert server_link.credit == 4 and server_link.delivery_count == serial.add(initial, 2)
 
 
+@pytest.mark.parametrize("credit", [2**31 - 1, 2**31, 2**32 - 1])
+def test_any_uint_credit_is_credit(credit):
+    """Spec 2.7.4: link-credit is a uint; 2**31 and more is no serial number and must not wrap to 0."""
+    pair = Pair()
+    client_link, server_link = pair.link(p.RECEIVER, initial_delivery_count=7)
+    client_link.flow(credit=credit)
+    pair.exchange()
+    assert server_link.credit == credit
+
+
+def test_a_receivers_delivery_count_ahead_of_ours_adds_no_credit():
+    pair = Pair()
+    client_link, server_link = pair.link(p.RECEIVER)
+    client_link.delivery_count = 5  # the sender's count is 0 (spec 2.6.7: the sender's is authoritative)
+    client_link.flow(credit=10)
+    pair.exchange()
+    assert server_link.credit == 10
+
+
+def test_a_senders_delivery_count_gone_backwards_adds_no_credit():
+    pair = Pair()
+    client_link, server_link = pair.link(initial_delivery_count=100)
+    server_link.flow(credit=10)
+    pair.exchange()
+    client_link.delivery_count = 50
+    client_link.send_flow()
+    pair.exchange()
+    assert server_link.credit == 10 and server_link.delivery_count == 50
+    client_link.delivery_count = 53  # a drain: three credits used up
+    client_link.send_flow()
+    pair.exchange()
+    assert server_link.credit == 7 and server_link.delivery_count == 53
+
+
 def test_drain_uses_up_the_credit_and_reports_it():
     pair = Pair()
     client_link, server_link = pair.link(p.RECEIVER)  # the server sends
