@@ -251,11 +251,8 @@ class Connection:
         self.more = self._frames is not None
         return events
 
-    def _fail(self, error: Error, events: list, send: bool = True) -> None:
-        if send and self._stage == _AMQP and not self.close_sent:
-            if not self.open_sent:
-                self._send_open()
-            self.close(error)
+    def _fail(self, error: Error, events: list) -> None:
+        self.close(error)
         self.finished = True
         events.append(ConnectionClosed(error, False))
 
@@ -277,7 +274,7 @@ class Connection:
         else:
             # spec 2.2: answer with the header we do support, then hang up
             self.output.append(SASL_HEADER if self.sasl is not None and not self._sasl_done else AMQP_HEADER)
-            self._fail(Error(FRAMING_ERROR, f"unsupported protocol header {header.raw!r}"), events, send=False)
+            self._fail(Error(FRAMING_ERROR, f"unsupported protocol header {header.raw!r}"), events)
 
     def _client_header(self, protocol: int) -> None:
         expected = PROTOCOL_SASL if self.sasl is not None and not self._sasl_done else PROTOCOL_AMQP
@@ -305,13 +302,13 @@ class Connection:
         elif isinstance(sasl, SaslClient) and isinstance(frame, SaslMechanisms):
             init = sasl.init(frame, self.hostname)
             if init is None:
-                self._fail(Error(UNAUTHORIZED_ACCESS, f"server does not offer {sasl.mechanism}"), events, send=False)
+                self._fail(Error(UNAUTHORIZED_ACCESS, f"server does not offer {sasl.mechanism}"), events)
                 return
             self.send_sasl(init)
             return
         elif isinstance(sasl, SaslClient) and isinstance(frame, SaslOutcome):
             if frame.code != SASL_OK:
-                self._fail(Error(UNAUTHORIZED_ACCESS, f"SASL outcome {frame.code}"), events, send=False)
+                self._fail(Error(UNAUTHORIZED_ACCESS, f"SASL outcome {frame.code}"), events)
                 return
             self.output.append(AMQP_HEADER)
             self._sasl_finished()
@@ -330,7 +327,7 @@ class Connection:
         if outcome.code == SASL_OK:
             self._sasl_finished()
         else:
-            self._fail(Error(UNAUTHORIZED_ACCESS, "SASL authentication failed"), events, send=False)
+            self._fail(Error(UNAUTHORIZED_ACCESS, "SASL authentication failed"), events)
 
     def _sasl_finished(self) -> None:
         self._sasl_done = True
@@ -352,8 +349,19 @@ class Connection:
                                 properties=self.properties).encode_amqp())
 
     def close(self, error: Error | None = None) -> None:
+        """Close the connection, with an open first if we sent none (spec 2.4.1).
+
+        Before the AMQP header exchange (a refused header, SASL) there is no
+        connection to close: nothing is sent, and the I/O layer hangs up
+        (spec 2.2, 5.3.2).
+        """
         if self.close_sent:
             return
+        if self._stage != _AMQP:
+            self.finished = True
+            return
+        if not self.open_sent:
+            self._send_open()
         self.close_sent = True
         self.send_frame(0, Close(error).encode_amqp())
         if self.close_received:

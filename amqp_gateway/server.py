@@ -277,10 +277,13 @@ class Driver:
                     item.done(None)
 
     async def say_goodbye(self) -> None:
-        """A connection we end without a close of its own (shutdown, a failure) still gets one."""
+        """A connection we end without a close of its own (shutdown, a failure) still gets one;
+        one that never got past the headers or SASL gets none (the engine sends nothing)."""
         if self.engine.close_sent or self._turn.busy:
             return  # said already, or a write was cut off midway and the stream is unusable
         self.engine.close(Error(CONNECTION_FORCED, "the daemon ended the connection"))
+        if not self.engine.output:
+            return
         try:
             await self.stream.send_all(self.engine.data_to_send())
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):

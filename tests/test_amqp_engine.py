@@ -135,6 +135,28 @@ def test_unsupported_protocol_header_gets_ours_and_a_hang_up(header):
     assert server.finished
 
 
+@pytest.mark.parametrize("data", [
+    b"AMQP\x00\x02\x00\x00",                                                     # a header we lack
+    SASL_HEADER + encode_frame(0, p.SaslInit("CRAM-MD5", b"x").encode_amqp(), 1),  # a failed SASL exchange
+])
+def test_before_the_amqp_header_exchange_close_sends_nothing(data):
+    """Spec 2.2 and 5.3.2: a refused header or SASL exchange is followed by a hang-up, no AMQP close."""
+    server = Connection(client=False, container_id="s", sasl=SaslServer(lambda u, pw: False))
+    server.receive_data(data)
+    said = server.data_to_send()
+    server.close(p.Error(errors.CONNECTION_FORCED, "bye"))
+    assert server.finished and not server.close_sent and server.data_to_send() == b""
+    assert b"\x00\x53\x18" not in said
+
+
+def test_close_after_the_header_exchange_sends_open_first():
+    server = Connection(client=False, container_id="s")
+    server.receive_data(AMQP_HEADER)
+    server.close(p.Error(errors.CONNECTION_FORCED, "bye"))
+    out = server.data_to_send()
+    assert out.index(b"\x00\x53\x10") < out.index(b"\x00\x53\x18")
+
+
 def _opened_server(**options) -> Connection:
     server = Connection(client=False, container_id="s", **options)
     server.receive_data(AMQP_HEADER + encode_frame(0, p.Open("c").encode_amqp()))

@@ -11,12 +11,12 @@ import pytest
 import trio
 from structlog.testing import capture_logs
 
-from amqp_gateway import events as ev, performatives as p
+from amqp_gateway import codec, events as ev, performatives as p
 from amqp_gateway.connection import Connection
 from amqp_gateway.errors import (
     DECODE_ERROR, FRAMING_ERROR, ILLEGAL_STATE, RESOURCE_LIMIT_EXCEEDED,
 )
-from amqp_gateway.framing import AMQP_HEADER, SASL_HEADER, encode_frame
+from amqp_gateway.framing import AMQP_HEADER, SASL_HEADER, TYPE_SASL, encode_frame
 
 from .conftest import HTTPClient, http_port
 from .test_amqp_engine import Raw
@@ -256,4 +256,38 @@ async def test_a_close_whose_error_is_not_an_error_is_answered(tmp_path, logs, b
     async with gateway(tmp_path) as nsqd:
         error = await closed_by_gateway(nsqd.amqp_port, AMQP_HEADER + OPEN + encode_frame(0, body))
         assert (error.condition, error.description) == (DECODE_ERROR, f"expected error, got {got}")
+        await still_serving(nsqd)
+
+
+async def everything_said(port: int, data: bytes) -> bytes:
+    """Send raw bytes; all the gateway says until it hangs up."""
+    async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+        await stream.send_all(data)
+        said = b""
+        with trio.fail_after(5):
+            while chunk := await stream.receive_some(65536):
+                said += chunk
+        return said
+
+
+@pytest.mark.parametrize("data", [b"AMQP\x00\x02\x00\x00", b"GET / HTTP/1.1\r\n\r\n"])
+async def test_a_header_we_lack_gets_ours_then_a_hang_up(tmp_path, logs, data):
+    """Spec 2.2: answer with a header we support, then close the socket: no AMQP close frame."""
+    async with gateway(tmp_path) as nsqd:
+        assert await everything_said(nsqd.amqp_port, data) == SASL_HEADER
+        await still_serving(nsqd)
+
+
+async def test_a_failed_sasl_exchange_gets_its_outcome_then_a_hang_up(tmp_path, logs):
+    """Spec 5.3.2: after a failed sasl-outcome the connection is closed, no AMQP close frame."""
+    async with gateway(tmp_path) as nsqd:
+        init = encode_frame(0, p.SaslInit("PLAIN", b"no-nuls").encode_amqp(), TYPE_SASL)
+        said = await everything_said(nsqd.amqp_port, SASL_HEADER + init)
+        assert said.startswith(SASL_HEADER)
+        frames, pos = [], len(SASL_HEADER)
+        while pos < len(said):
+            size = struct.unpack_from(">I", said, pos)[0]
+            frames.append(codec.decode(said, pos + 8)[0])
+            pos += size
+        assert [type(f) for f in frames] == [p.SaslMechanisms, p.SaslOutcome] and frames[1].code != 0
         await still_serving(nsqd)
