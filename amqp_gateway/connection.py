@@ -208,7 +208,10 @@ class Connection:
         self.output.append(EMPTY_FRAME)
 
     def send_frame(self, channel: int, body: bytes) -> None:
-        self.output.append(FRAME_HEAD.pack(len(body) + 8, 2, TYPE_AMQP, channel) + body)
+        """A frame; nothing follows our close (spec 2.4.3), such as the answer to an attach that
+        arrived with the peer's close or with a frame that closed the connection."""
+        if not self.close_sent:
+            self.output.append(FRAME_HEAD.pack(len(body) + 8, 2, TYPE_AMQP, channel) + body)
 
     def receive_data(self, data: bytes) -> list:
         """Handle what arrived; returns the events. With :attr:`step_frames` set, at most that
@@ -362,8 +365,8 @@ class Connection:
             return
         if not self.open_sent:
             self._send_open()
-        self.close_sent = True
         self.send_frame(0, Close(error).encode_amqp())
+        self.close_sent = True
         if self.close_received:
             self.finished = True
 

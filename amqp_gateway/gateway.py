@@ -210,6 +210,9 @@ class GatewayConnection:
 
     # ----------------------------------------------------------------- links
     def _attach(self, link: Link, now_ns: int) -> None:
+        if link.over:  # detached, ended or closed with the attach: answered (if at all) with no node
+            link.refuse(None)
+            return
         try:
             if link.is_sender:
                 self._attach_consumer(link, now_ns)

@@ -56,6 +56,8 @@ class Link:
         self.max_message_size = 0
         self.attach_sent = self.attach_received = False
         self.detach_sent = self.detach_received = False
+        #: our detach, held until our attach answers the peer's (spec 2.6.3: no detach before it)
+        self.held_detach: Detach | None = None
         # an incoming delivery spread over several frames
         self.partial: list[bytes] | None = None
         self.partial_size = 0
@@ -78,6 +80,13 @@ class Link:
         return self.attach_sent and self.attach_received and not (self.detach_sent or self.detach_received)
 
     @property
+    def over(self) -> bool:
+        """Detached (by us, or by the peer and answered), or gone with its session or connection:
+        an attach the application has yet to answer needs no daemon work (see :meth:`refuse`)."""
+        session = self.session
+        return self.detach_sent or session.end_sent or session.connection.close_sent
+
+    @property
     def sends_settled(self) -> bool:
         return self.snd_settle_mode == SND_SETTLED
 
@@ -95,9 +104,12 @@ class Link:
             self.name, self.handle, self.role, snd_settle_mode, rcv_settle_mode, source, target,
             initial_delivery_count=self.delivery_count if self.role is SENDER else None,
         ))
+        if self.held_detach is not None:
+            self._send_detach()
 
-    def refuse(self, error: Error) -> None:
-        """Answer the peer's attach with a null node, then detach with ``error`` (spec 2.6.3)."""
+    def refuse(self, error: Error | None) -> None:
+        """Answer the peer's attach with a null node, then detach with ``error`` (spec 2.6.3; a
+        link detached already sends the detach it holds)."""
         remote = self.remote_attach
         if self.role is SENDER:  # the peer wants to receive from a source we do not have
             self.attach(None, remote.target)
@@ -106,10 +118,17 @@ class Link:
         self.detach(error)
 
     def detach(self, error: Error | None = None, closed: bool = True) -> None:
+        """Detach the link; before our attach answered the peer's, the detach waits for it."""
         if self.detach_sent:
             return
         self.detach_sent = True
-        self.session.send_link_frame(self, Detach(self.handle, closed, error))
+        self.held_detach = Detach(self.handle, closed, error)
+        if self.attach_sent:
+            self._send_detach()
+
+    def _send_detach(self) -> None:
+        detach, self.held_detach = self.held_detach, None
+        self.session.send_link_frame(self, detach)
         self.session.link_detached(self)
 
     # -------------------------------------------------------------- flow

@@ -79,7 +79,10 @@ class Session:
 
     # --------------------------------------------------------------- output
     def send(self, performative: Any, payload: bytes = b"") -> None:
-        self.connection.send_frame(self.channel, performative.encode_amqp() + payload)
+        """A frame on this session; nothing follows our end (spec 2.5.5), such as the answer to an
+        attach that arrived with the peer's end or a frame that ended the session."""
+        if not self.end_sent:
+            self.connection.send_frame(self.channel, performative.encode_amqp() + payload)
 
     def begin(self) -> None:
         self.begin_sent = True
@@ -89,9 +92,9 @@ class Session:
     def end(self, error: Error | None = None) -> None:
         if self.end_sent:
             return
-        self.end_sent = True
         self.pending.clear()
         self.send(End(error))
+        self.end_sent = True
 
     def send_link_frame(self, link: Link, performative: Any) -> None:
         """A link's flow or detach: after the transfers still waiting for the peer's window if the
@@ -252,7 +255,8 @@ class Session:
             raise SessionFault(UNATTACHED_HANDLE, f"detach of unattached handle {detach.handle}")
         link.detach_received = True
         if link.detach_sent:
-            self._release(link)
+            if link.held_detach is None:  # else released once our attach and detach went out
+                self._release(link)
             return
         link.detach(closed=detach.closed)
         events.append(LinkDetached(link, detach.error, True))

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from amqp_gateway import errors, events as ev, performatives as p, serial
+from amqp_gateway import codec, errors, events as ev, performatives as p, serial
 from amqp_gateway.connection import Connection
-from amqp_gateway.framing import AMQP_HEADER, SASL_HEADER, encode_frame
+from amqp_gateway.framing import AMQP_HEADER, SASL_HEADER, FrameReader, encode_frame
 from amqp_gateway.sasl import SaslClient, SaslServer
 from amqp_gateway.session import INCOMING_WINDOW
 
@@ -696,6 +696,66 @@ def test_an_outcome_with_any_valid_array_is_settled_back_as_it_came():
     (settled,) = pair.take("server", ev.Settled)
     assert settled.state.message_annotations["bools"].items == [True]
     assert not pair.server.close_sent
+
+
+def _attach_with(pair: Pair, *frames) -> list:
+    """The client's attach and ``frames`` arrive at the server together; the events they make."""
+    session = pair.client.sessions.get(0) or pair.open_session()
+    link = session.attach("l", p.SENDER)
+    link.attach(p.Source(), p.Target("/t"))
+    for frame in frames:
+        session.send(frame)
+    return pair.server.receive_data(pair.client.data_to_send())
+
+
+def _performatives(data: bytes) -> list:
+    """The types of the performatives in ``data``, frames after the protocol headers."""
+    reader = FrameReader(1 << 20)
+    reader.expect_header = False
+    return [type(codec.decode(body)[0]) for _, _, body in reader.feed(data)]
+
+
+@pytest.mark.parametrize("frame, error", [
+    (p.Detach(0, True), None),                                          # the peer's detach, pipelined
+    (p.Transfer(0, 0, b"t", 0), errors.TRANSFER_LIMIT_EXCEEDED),         # a transfer without credit
+])
+def test_a_detach_waits_for_our_attach(frame, error):
+    """Spec 2.6.3: our attach answers the peer's before any detach of ours on that link."""
+    pair = Pair()
+    events = _attach_with(pair, frame)
+    (attaching,) = [e for e in events if isinstance(e, ev.LinkAttaching)]
+    (detached,) = [e for e in events if isinstance(e, ev.LinkDetached)]
+    assert attaching.link.over and (detached.error and detached.error.condition) == error
+    assert pair.server.data_to_send() == b""
+    attaching.link.refuse(None)
+    out = pair.server.data_to_send()
+    assert _performatives(out) == [p.Attach, p.Detach]
+    assert p.Detach(0, True, detached.error).encode_amqp() in out
+    link = attaching.link
+    assert (link.handle in link.session.by_handle) == (error is not None)  # released once both detached
+
+
+def test_a_held_detach_keeps_its_handle_from_new_links():
+    pair = Pair()
+    events = _attach_with(pair, p.Detach(0, True), p.Attach("m", 1, p.SENDER, source=p.Source(),
+                                                            target=p.Target("/t"), initial_delivery_count=0))
+    first, second = [e.link for e in events if isinstance(e, ev.LinkAttaching)]
+    assert first.handle != second.handle
+    first.refuse(None)
+    assert first.handle not in first.session.by_handle  # the peer's detach came: both are out
+
+
+@pytest.mark.parametrize("frame", [p.End(), p.Close()])
+def test_nothing_follows_our_end_or_close(frame):
+    """Spec 2.5, 2.4.3: an attach that arrived with the peer's end or close is answered by it."""
+    pair = Pair()
+    events = _attach_with(pair, frame)
+    (attaching,) = [e for e in events if isinstance(e, ev.LinkAttaching)]
+    assert _performatives(pair.server.data_to_send()) == [type(frame)]
+    assert attaching.link.over
+    attaching.link.attach(p.Source(), p.Target("/t"))
+    attaching.link.flow(credit=10)
+    assert pair.server.data_to_send() == b""
 
 
 def test_detach_by_the_peer_is_answered():

@@ -259,15 +259,27 @@ async def test_a_close_whose_error_is_not_an_error_is_answered(tmp_path, logs, b
         await still_serving(nsqd)
 
 
-async def everything_said(port: int, data: bytes) -> bytes:
-    """Send raw bytes; all the gateway says until it hangs up."""
+async def everything_said(port: int, data: bytes, quiet: float = 5) -> bytes:
+    """Send raw bytes; all the gateway says until it hangs up or says nothing for ``quiet`` seconds."""
     async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
         await stream.send_all(data)
         said = b""
-        with trio.fail_after(5):
-            while chunk := await stream.receive_some(65536):
-                said += chunk
-        return said
+        while True:
+            with trio.move_on_after(quiet) as waited:
+                chunk = await stream.receive_some(65536)
+            if waited.cancelled_caught or not chunk:
+                return said
+            said += chunk
+
+
+def performatives(said: bytes) -> list:
+    """The frames in what the gateway said after its protocol header, decoded."""
+    frames, pos = [], 8
+    while pos < len(said):
+        size = struct.unpack_from(">I", said, pos)[0]
+        frames.append(codec.decode(said, pos + 8)[0] if size > 8 else None)
+        pos += size
+    return frames
 
 
 @pytest.mark.parametrize("data", [b"AMQP\x00\x02\x00\x00", b"GET / HTTP/1.1\r\n\r\n"])
@@ -284,10 +296,33 @@ async def test_a_failed_sasl_exchange_gets_its_outcome_then_a_hang_up(tmp_path, 
         init = encode_frame(0, p.SaslInit("PLAIN", b"no-nuls").encode_amqp(), TYPE_SASL)
         said = await everything_said(nsqd.amqp_port, SASL_HEADER + init)
         assert said.startswith(SASL_HEADER)
-        frames, pos = [], len(SASL_HEADER)
-        while pos < len(said):
-            size = struct.unpack_from(">I", said, pos)[0]
-            frames.append(codec.decode(said, pos + 8)[0])
-            pos += size
+        frames = performatives(said)
         assert [type(f) for f in frames] == [p.SaslMechanisms, p.SaslOutcome] and frames[1].code != 0
+        await still_serving(nsqd)
+
+
+BEGIN = encode_frame(0, p.Begin(None, 0, 100, 100).encode_amqp())
+CONSUME = encode_frame(0, p.Attach("c", 0, p.RECEIVER, source=p.Source("/topics/t/channels/c"),
+                                   target=p.Target()).encode_amqp())
+PUBLISH = encode_frame(0, p.Attach("p", 0, p.SENDER, source=p.Source(), target=p.Target("/topics/t"),
+                                   initial_delivery_count=0).encode_amqp())
+
+
+@pytest.mark.parametrize("frames, expected", [
+    # the peer's detach (legal, pipelined) and a transfer without credit: our detach follows our attach
+    (CONSUME + encode_frame(0, p.Detach(0, True).encode_amqp()), [p.Attach, p.Detach]),
+    (PUBLISH + encode_frame(0, p.Transfer(0, 0, b"t", 0).encode_amqp() + b"m"), [p.Attach, p.Detach]),
+    # nothing after our end (spec 2.5) or close (2.4.3), for whatever reason we sent it
+    (CONSUME + encode_frame(0, p.End().encode_amqp()), [p.End]),
+    (PUBLISH + PUBLISH, [p.End]),                                               # handle in use
+    (CONSUME + encode_frame(0, p.Flow(0, 100, 0, 100, 7, 0, 1).encode_amqp()), [p.End]),  # unattached handle
+    (PUBLISH + encode_frame(0, p.Close().encode_amqp()), [p.Close]),
+    (PUBLISH + encode_frame(0, b"\x00\x53\x13\xff"), [p.Close]),                # garbage
+], ids=["detach", "no-credit", "end", "handle-in-use", "unattached-handle", "close", "garbage"])
+async def test_answers_keep_the_order_of_frames_that_arrive_together(tmp_path, logs, frames, expected):
+    """The engine answers end, close and detach at once, the gateway attaches later: an attach
+    answer must neither come after our end or close, nor after our detach of that link."""
+    async with gateway(tmp_path) as nsqd:
+        said = await everything_said(nsqd.amqp_port, AMQP_HEADER + OPEN + BEGIN + frames, quiet=0.5)
+        assert [type(f) for f in performatives(said)[2:]] == expected
         await still_serving(nsqd)
