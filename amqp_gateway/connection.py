@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from . import codec
 from .codec import DecodeError
 from .errors import (
-    DECODE_ERROR, FRAMING_ERROR, ILLEGAL_STATE, INVALID_FIELD, NOT_ALLOWED, RESOURCE_LIMIT_EXCEEDED,
+    DECODE_ERROR, FRAME_SIZE_TOO_SMALL, FRAMING_ERROR, ILLEGAL_STATE, INVALID_FIELD, NOT_ALLOWED, RESOURCE_LIMIT_EXCEEDED,
     UNAUTHORIZED_ACCESS, ConnectionFault, SessionFault,
 )
 from .events import ConnectionClosed, ConnectionOpened, SaslLogin, SessionBegun, SessionEnded
@@ -33,7 +33,7 @@ from .framing import (
 )
 from .performatives import (
     SASL_OK, Attach, Begin, Close, Detach, Disposition, End, Error, Flow, Open, SaslInit, SaslMechanisms,
-    SaslOutcome,
+    SaslOutcome, fit,
 )
 from .sasl import SaslClient, SaslServer
 from .session import Session
@@ -207,6 +207,18 @@ class Connection:
         """An empty frame: keeps the peer's idle timer from expiring."""
         self.output.append(EMPTY_FRAME)
 
+    def send_performative(self, channel: int, performative: Any) -> None:
+        """A frame of one performative, made to fit the peer's max-frame-size (see
+        :func:`performatives.fit`); one that cannot be closes the connection."""
+        body = performative.encode_amqp()
+        if len(body) + 8 > self.peer_max_frame_size:
+            performative = fit(performative, self.peer_max_frame_size - 8)
+            if performative is None:
+                self.close(Error(FRAME_SIZE_TOO_SMALL, f"a frame for max-frame-size {self.peer_max_frame_size}"))
+                return
+            body = performative.encode_amqp()
+        self.send_frame(channel, body)
+
     def send_frame(self, channel: int, body: bytes) -> None:
         """A frame; nothing follows our close (spec 2.4.3), such as the answer to an attach that
         arrived with the peer's close or with a frame that closed the connection."""
@@ -365,7 +377,7 @@ class Connection:
             return
         if not self.open_sent:
             self._send_open()
-        self.send_frame(0, Close(error).encode_amqp())
+        self.send_performative(0, Close(error))
         self.close_sent = True
         if self.close_received:
             self.finished = True

@@ -19,6 +19,7 @@ RESOURCE_LIMIT_EXCEEDED = "amqp:resource-limit-exceeded"
 NOT_ALLOWED = "amqp:not-allowed"
 INVALID_FIELD = "amqp:invalid-field"
 NOT_IMPLEMENTED = "amqp:not-implemented"
+FRAME_SIZE_TOO_SMALL = "amqp:frame-size-too-small"
 RESOURCE_DELETED = "amqp:resource-deleted"
 ILLEGAL_STATE = "amqp:illegal-state"
 # connection-error

@@ -7,7 +7,8 @@ integers, as on the wire.
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Callable
 
 from .composite import amqp_field, composite, composite_kind
 
@@ -222,3 +223,53 @@ class Target:
     dynamic: bool = amqp_field("boolean", False)
     dynamic_node_properties: dict | None = amqp_field("map")
     capabilities: tuple = amqp_field("symbols", ())
+
+
+# ------------------------------------------------------------ frame size
+def _cut_error(error: Error | None, over: int) -> Error | None:
+    """``error`` ``over`` bytes shorter, or more: its description cut, its info left out."""
+    if error is None or not error.description:
+        return None if error is None else Error(error.condition)
+    raw = error.description.encode()
+    return Error(error.condition, raw[:max(len(raw) - over - 4, 0)].decode(errors="ignore") or None)
+
+
+def _over(performative: Any, room: int) -> int:
+    return len(performative.encode_amqp()) - room
+
+
+def _bare(terminus: Any) -> Any:
+    """A source or target with its address only."""
+    return type(terminus)(terminus.address) if isinstance(terminus, (Source, Target)) else terminus
+
+
+_Shrink = Callable[[Any, int], Any]
+#: how each performative is made smaller, step by step, when it outgrows the peer's max-frame-size
+_SHRINK: dict[type, tuple[_Shrink, ...]] = {
+    Close: (lambda c, room: Close(_cut_error(c.error, _over(c, room))), lambda c, room: Close()),
+    End: (lambda e, room: End(_cut_error(e.error, _over(e, room))), lambda e, room: End()),
+    Detach: (lambda d, room: dataclasses.replace(d, error=_cut_error(d.error, _over(d, room))),
+             lambda d, room: dataclasses.replace(d, error=None)),
+    Disposition: (
+        lambda d, room: dataclasses.replace(d, state=Rejected(_cut_error(d.state.error, _over(d, room))))
+        if isinstance(d.state, Rejected) else d,
+        lambda d, room: dataclasses.replace(d, state=None),
+    ),
+    Attach: (
+        lambda a, room: dataclasses.replace(a, unsettled=None, properties=None, offered_capabilities=(),
+                                            desired_capabilities=()),
+        lambda a, room: dataclasses.replace(a, source=_bare(a.source), target=_bare(a.target)),
+    ),
+}
+
+
+def fit(performative: Any, room: int) -> Any:
+    """``performative`` in at most ``room`` bytes (spec 2.7.1: no frame beyond the peer's
+    max-frame-size, 512 at the least): error descriptions are cut, what an attach or a
+    disposition can do without is left out. None if it still does not fit (an attach
+    whose name alone is too long: close, end and detach always fit)."""
+    for shrink in _SHRINK.get(type(performative), ()):
+        if _over(performative, room) <= 0:
+            return performative
+        performative = shrink(performative, room)
+    return performative if _over(performative, room) <= 0 else None

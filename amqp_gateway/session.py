@@ -30,7 +30,6 @@ from .errors import (
 from .events import (
     NO_ROOM, LinkAttached, LinkAttaching, LinkDetached, LinkFlow, NoRoom, SessionFlow, Settled, Transfers,
 )
-from .framing import encode_frame
 from .link import Link
 from .performatives import (
     RECEIVER, SENDER, TERMINAL_OUTCOMES, Attach, Begin, Detach, Disposition, End, Error, Flow,
@@ -81,8 +80,12 @@ class Session:
     def send(self, performative: Any, payload: bytes = b"") -> None:
         """A frame on this session; nothing follows our end (spec 2.5.5), such as the answer to an
         attach that arrived with the peer's end or a frame that ended the session."""
-        if not self.end_sent:
+        if self.end_sent:
+            return
+        if payload:
             self.connection.send_frame(self.channel, performative.encode_amqp() + payload)
+        else:
+            self.connection.send_performative(self.channel, performative)
 
     def begin(self) -> None:
         self.begin_sent = True
@@ -144,7 +147,7 @@ class Session:
             if type(frame) is tuple:  # a link frame: the window does not count it
                 self.frames_sent(sent)
                 sent = 0
-                out.append(self._link_frame(frame[0]))
+                self.send(self._link_frame(frame[0]))
             elif sent < self.remote_incoming_window:
                 out.append(frame)
                 sent += 1
@@ -153,13 +156,13 @@ class Session:
             pending.popleft()
         self.frames_sent(sent)
 
-    def _link_frame(self, performative: Any) -> bytes:
+    def _link_frame(self, performative: Any) -> Any:
         """A queued link frame; a flow carries the session's state as it is now, not when it was queued."""
         if type(performative) is Flow:
             performative.next_incoming_id = self.next_incoming_id
             performative.incoming_window = self.incoming_window
             performative.next_outgoing_id = self.next_outgoing_id
-        return encode_frame(self.channel, performative.encode_amqp())
+        return performative
 
     def keep_window_open(self) -> None:
         """Refresh our incoming window once half of it is used."""

@@ -708,11 +708,15 @@ def _attach_with(pair: Pair, *frames) -> list:
     return pair.server.receive_data(pair.client.data_to_send())
 
 
-def _performatives(data: bytes) -> list:
-    """The types of the performatives in ``data``, frames after the protocol headers."""
+def _bodies(data: bytes) -> list[bytes]:
+    """The frame bodies in ``data``, frames after the protocol headers."""
     reader = FrameReader(1 << 20)
     reader.expect_header = False
-    return [type(codec.decode(body)[0]) for _, _, body in reader.feed(data)]
+    return [body for _, _, body in reader.feed(data)]
+
+
+def _performatives(data: bytes) -> list:
+    return [type(codec.decode(body)[0]) for body in _bodies(data)]
 
 
 @pytest.mark.parametrize("frame, error", [
@@ -756,6 +760,44 @@ def test_nothing_follows_our_end_or_close(frame):
     attaching.link.attach(p.Source(), p.Target("/t"))
     attaching.link.flow(credit=10)
     assert pair.server.data_to_send() == b""
+
+
+def _small_frames_attach(attach: p.Attach) -> tuple[Connection, list]:
+    """A server whose client announced the smallest max-frame-size, 512, then attached with ``attach``."""
+    server = Connection(client=False, container_id="s")
+    events = server.receive_data(AMQP_HEADER + encode_frame(0, p.Open("c", max_frame_size=512).encode_amqp())
+                                 + encode_frame(0, p.Begin(None, 0, 100, 100).encode_amqp())
+                                 + encode_frame(0, attach.encode_amqp()))
+    server.data_to_send()
+    return server, [e.link for e in events if isinstance(e, ev.LinkAttaching)]
+
+
+def test_our_frames_fit_the_peers_max_frame_size():
+    """Spec 2.7.1: the client's attach fits our max-frame-size, not necessarily its own; our answer,
+    which repeats it, and an error quoting it are made to fit (512 bytes at the least)."""
+    address = "/topics/" + "q" * 700
+    big = p.Attach("l", 0, p.SENDER, source=p.Source("/s", capabilities=["c" * 200] * 3),
+                   target=p.Target(address), initial_delivery_count=0, properties={"k": "v" * 600})
+    server, (link,) = _small_frames_attach(big)
+    link.refuse(p.Error(errors.INVALID_FIELD, f"invalid topic name in {address!r}"))
+    link.session.send(p.Disposition(p.SENDER, 0, None, True, p.Rejected(p.Error(errors.DECODE_ERROR, "x" * 900))))
+    server.close(p.Error(errors.INTERNAL_ERROR, "y" * 900))
+    out = server.data_to_send()
+    assert _performatives(out) == [p.Attach, p.Detach, p.Disposition, p.Close]
+    assert max(len(body) + 8 for body in _bodies(out)) <= 512
+    attach, detach, disposition, close = [codec.decode(body)[0] for body in _bodies(out)]
+    assert attach.source.address == "/s" and attach.target is None and not attach.properties
+    assert detach.error.description.startswith("invalid topic name in '/topics/qqq")
+    assert disposition.state.error.condition == errors.DECODE_ERROR
+
+
+def test_a_frame_that_cannot_fit_the_peers_max_frame_size_closes_the_connection():
+    server, (link,) = _small_frames_attach(p.Attach("n" * 600, 0, p.SENDER, source=p.Source("/s"),
+                                                    target=p.Target("/t"), initial_delivery_count=0))
+    link.attach(p.Source("/s"), p.Target("/t"))
+    out = server.data_to_send()
+    assert _performatives(out) == [p.Close] and server.close_sent
+    assert codec.decode(_bodies(out)[0])[0].error.condition == errors.FRAME_SIZE_TOO_SMALL
 
 
 def test_detach_by_the_peer_is_answered():
