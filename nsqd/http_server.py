@@ -146,6 +146,8 @@ App = Callable[[Request], Awaitable[Response]]
 
 #: a ``%`` not followed by two hex digits
 BAD_ESCAPE = re.compile(rb"%(?![0-9A-Fa-f]{2})")
+#: a line feed with no carriage return before it
+_BARE_LF = re.compile(rb"(?<!\r)\n")
 _ORDINARY_FAULTS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 _STATUS_MESSAGES = {400: "BAD_REQUEST", 431: "HEADER_TOO_BIG", 501: "NOT_IMPLEMENTED"}
 
@@ -475,6 +477,10 @@ class _Connection:
                 return data
             if event is not h11.NEED_DATA:
                 return b""  # EndOfMessage; PAUSED once it has been seen
+            if _BARE_LF.search(conn.trailing_data[0]):
+                # h11 waits for the CRLF that ends a chunk's line, and gets a bare LF: it would wait
+                # until the body deadline (Go answers 400 at once, since CVE-2025-22871)
+                raise BadRequest(400, "BAD_REQUEST", "a line of the chunked body ends with a bare LF")
             if conn.they_are_waiting_for_100_continue:
                 await self._send(conn.send(h11.InformationalResponse(
                     status_code=100, headers=[(b"date", self.server.date())], reason=b"Continue")))

@@ -209,6 +209,23 @@ async def test_malformed_chunked_body_is_400_and_publishes_nothing(daemon):
     assert topic_depth(daemon, "t") == 0
 
 
+async def test_a_chunked_body_with_bare_lf_lines_is_400_at_once(daemon):
+    """h11 waited for the CRLF until the 60 s body deadline; Go answers 400 at once."""
+    client = await Raw.open(http_port(daemon))
+    await client.send(b"POST /pub?topic=t HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\nabc\n0\n\n")
+    json_error(await client.response(timeout=2), 400, "BAD_REQUEST")
+    assert topic_depth(daemon, "t") == 0
+    # a CRLF line split across reads, and trailers, are still fine
+    client = await Raw.open(http_port(daemon))
+    await client.send(b"POST /pub?topic=t HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r")
+    await trio.sleep(0.05)
+    await client.send(b"\nabc\r\n0\r\nX-Trailer: y\r\n")
+    await trio.sleep(0.05)
+    await client.send(b"\r\n")
+    assert (await client.response()).body == b"OK"
+    assert topic_depth(daemon, "t") == 1
+
+
 async def test_a_chunk_header_over_the_head_limit_is_431_header_too_big(daemon):
     client = await Raw.open(http_port(daemon))
     await client.send(b"POST /pub?topic=t HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
