@@ -6,9 +6,11 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 from functools import partial
 
+import pytest
 import trio
 
 from amqp_gateway import codec, events as ev, performatives as p
+from amqp_gateway import connection as amqp_connection
 from amqp_gateway.connection import Connection
 from amqp_gateway.consumer import FILL_BYTES
 from amqp_gateway.framing import EMPTY_FRAME, encode_frame
@@ -16,7 +18,6 @@ from amqp_gateway.publisher import POLL_INTERVAL
 from amqp_gateway.sasl import SaslClient
 from amqp_gateway.sections import Data, Header, Message, decode_message, encode_message
 from amqp_gateway.server import serve_amqp
-from nsqd import message
 
 from .support import NSQConnection, running_nsqd, tcp_port
 from .test_protocol_v2 import pub_command
@@ -477,7 +478,13 @@ async def test_deleted_channel_detaches_its_consumers(tmp_path):
         assert [type(s).__name__ for s in await client.publish(other, [b"still here"])] == ["Accepted"]
 
 
-async def test_idle_timeout_closes_a_silent_client_and_heartbeats_keep_ours(tmp_path):
+@pytest.fixture
+def short_idle_timeouts(monkeypatch):
+    """Idle timeouts in tenths of a second, below the 1 s floor both engines keep to, for speed."""
+    monkeypatch.setattr(amqp_connection, "MIN_PEER_IDLE_TIMEOUT_MS", 100)
+
+
+async def test_idle_timeout_closes_a_silent_client_and_heartbeats_keep_ours(tmp_path, short_idle_timeouts):
     async with gateway(tmp_path, amqp_options={"idle_timeout": 0.3}) as nsqd:
         silent = await Client.connect(nsqd.amqp_port, begin=False)
         assert silent.conn.peer_idle_timeout == 0.3
@@ -496,7 +503,7 @@ async def test_idle_timeout_closes_a_silent_client_and_heartbeats_keep_ours(tmp_
         assert raw.count(EMPTY_FRAME) >= 2   # one every 100 ms: half its idle timeout
 
 
-async def test_a_client_a_little_late_with_its_heartbeat_is_not_cut_off(tmp_path):
+async def test_a_client_a_little_late_with_its_heartbeat_is_not_cut_off(tmp_path, short_idle_timeouts):
     """Spec 2.4.5: a peer SHOULD announce half its real idle threshold, so that a frame the other
     side sends at the announced interval, delayed on the way, arrives in time. A client whose empty
     frames come every 1.2 announced intervals stays connected; a silent one is closed."""
