@@ -143,6 +143,7 @@ async def test_a_second_daemon_on_the_same_data_path_refuses_to_start(tmp_path):
     """One daemon per data path, as Go nsqd's dirlock (which takes the same lock, so the two
     exclude each other too); the queues need no lock files of their own."""
     first = Daemon(tmp_path)
+    second = None
     try:
         await first.wait_ready()
         second = Daemon(tmp_path)
@@ -151,5 +152,8 @@ async def test_a_second_daemon_on_the_same_data_path_refuses_to_start(tmp_path):
         assert f"--data-path={tmp_path} in use (possibly by another instance of nsqd)" in \
             second.proc.stderr.read().decode()
     finally:
+        if second is not None and second.proc.poll() is None:  # it started after all: a failure
+            second.proc.kill()
+            second.proc.wait()
         assert await first.stop() == 0
     assert not list(tmp_path.glob("*.lock"))
