@@ -1,6 +1,8 @@
 """Unit tests of the record codec, file naming and metadata encoding."""
 
+import errno
 import json
+import os
 import struct
 import zlib
 
@@ -278,6 +280,44 @@ def test_checkpoint_file_is_overwritten_in_place_and_the_newest_save_wins(tmp_pa
     checkpoint.remove()
     assert not checkpoint_path.exists()
     assert load_newest([meta_path, checkpoint_path])[0].sequence == 4
+
+
+def test_a_checkpoint_file_opened_again_is_never_emptied_first(tmp_path, monkeypatch):
+    """A queue that rests closes its checkpoint file and opens it again at its next save. Opened
+    with O_TRUNC, a kill or a full disk between the truncate and the write left it empty, and
+    recovery went back to the metadata saved at open: every message finished since was delivered
+    again. Now every state the file passes through holds a valid document."""
+    path = tmp_path / "q.checkpoint.json"
+    first = Metadata(read_segment=3, read_position=16, write_segment=3, write_position=800, depth=2,
+                     kept=tuple((i, i, {"a": i}) for i in range(20)), kept_count=20, sequence=7)
+    checkpoint = CheckpointFile(path)
+    checkpoint.save(first)
+    checkpoint.close()  # the queue rested
+
+    def no_space(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    reopened = CheckpointFile(path)
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "pwrite", no_space)
+        shorter = Metadata(read_segment=4, read_position=16, write_segment=4, write_position=16, depth=0,
+                           sequence=8)
+        with pytest.raises(OSError):
+            reopened.save(shorter)
+    assert load_metadata(path) == first  # still there, whole
+
+    writes = []
+    real_pwrite = os.pwrite
+
+    def recorded(fd, data, offset):
+        writes.append(bytes(data))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", recorded)
+    reopened.save(shorter)
+    assert decode_metadata(writes[-1]) == shorter  # padded with blanks to the old size: valid as written
+    assert len(writes[-1]) == len(encode_metadata(first))
+    assert path.read_bytes() == encode_metadata(shorter)  # and cut to size after
 
 
 def test_metadata_keeps_the_release_point_and_kept_intervals():

@@ -144,11 +144,16 @@ def save_metadata(path: Path, meta: Metadata) -> None:
 
 
 class CheckpointFile:
-    """The checkpoint file, kept open and overwritten in place.
+    """The checkpoint file, overwritten in place (kept open while its queue is busy).
 
-    A save is one ``pwrite`` into the page cache (and a truncate when the
-    document shrank): it survives the process being killed, and after a
-    power loss a torn or stale file only loses to the metadata file.
+    A save is one ``pwrite`` into the page cache: it survives the process
+    being killed, and after a power loss a torn or stale file only loses to
+    the metadata file. The file is never emptied first (no ``O_TRUNC`` when
+    it is opened again after its queue rested: a kill, or a full disk, right
+    after the truncate left an empty file, and recovery went back to the
+    metadata saved at open). A shorter document is written padded with
+    blanks to the old size, which JSON ignores, and cut to size after: every
+    state the file passes through is a valid document.
     """
 
     def __init__(self, path: Path) -> None:
@@ -159,14 +164,17 @@ class CheckpointFile:
     def save(self, meta: Metadata) -> None:
         data = encode_metadata(meta)
         if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-            self._size = 0
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            self._size = os.fstat(self._fd).st_size
+        size = len(data)
+        if size < self._size:
+            data += b" " * (self._size - size)
         written = os.pwrite(self._fd, data, 0)
         if written != len(data):
             raise OSError(errno.EIO, f"short write of {self.path} ({written} of {len(data)} bytes)")
-        if len(data) < self._size:
-            os.ftruncate(self._fd, len(data))
-        self._size = len(data)
+        if size < self._size:
+            os.ftruncate(self._fd, size)
+        self._size = size
 
     def remove(self) -> None:
         """Close and delete the file (the metadata file now holds a newer save)."""

@@ -749,8 +749,9 @@ class DiskQueue:
             self._log.error("diskq_metadata_save_failed", error=str(error))
             return
         if self._failing_save:
-            self._log.info("diskq_write_recovered", after=self.failing)
-            self.failing = None
+            if self.failing is not None:  # (a sync since may have said so already)
+                self._log.info("diskq_write_recovered", after=self.failing)
+                self.failing = None
             self._failing_save = False
         if plan.consumed:
             await trio.to_thread.run_sync(sync.release, plan, self._files, self._gate)
