@@ -170,6 +170,11 @@ class V2Parser:
     def buffered(self) -> int:
         return len(self._buf)
 
+    def restart(self) -> None:
+        """Start over on a new stream (an upgrade): nothing buffered, no failure from the old one."""
+        self.clear()
+        self._failed = False
+
     def clear(self) -> None:
         """Drop whatever is buffered (the connection is gone; a partial body must not linger)."""
         self._buf = bytearray()
@@ -420,6 +425,19 @@ class ProtocolV2:
     @property
     def more(self) -> bool:
         return self.parser.more and not self.closed
+
+    def drop_before_upgrade(self) -> tuple[int, int]:
+        """Forget what the client sent behind an upgrading IDENTIFY: (commands parsed, bytes unparsed).
+
+        Those bytes were meant for the stream before its upgrade (TLS,
+        snappy, deflate) and are not part of the new one; nsqd drops them
+        with its old buffered reader. Running them as plain commands would
+        let plaintext in behind ``--tls-required``.
+        """
+        dropped = (len(self._stash), self.parser.buffered)
+        self.parser.restart()
+        self._stash = []
+        return dropped
 
     def resume(self, now_ns: int) -> None:
         """Go on with the commands that waited for the pending steps (none after a fatal error)."""

@@ -621,6 +621,11 @@ class Connection:
                 await trio.lowlevel.checkpoint()
             return
         async with self._turn.held():  # no pump writes while the stream is replaced
+            commands, unparsed = self.protocol.drop_before_upgrade()
+            if commands or unparsed:
+                log.warning("what was sent before the upgrade was dropped", client=client.remote_address,
+                            to=kind, commands=commands, bytes=unparsed)
+                self._fit_body_reservation()  # a partial body dropped with them gives its room back
             if kind == "tls":
                 stream = tls.TLSStream(self.stream, self.nsqd.tls_context)
                 with trio.fail_after(5):

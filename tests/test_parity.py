@@ -366,3 +366,28 @@ async def test_http_publish_and_admin_need_a_secret_when_auth_is_on(tmp_path):
             assert (await http.request("POST", "/topic/empty?topic=t", headers=bearer("admin"))).status == 200
             assert server.queries == ["nope", "pub", "admin"]  # answers are cached until they expire
             nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("upgrade", ["tls_v1", "snappy", "deflate"])
+async def test_commands_sent_behind_an_upgrading_identify_are_dropped_as_nsqd_does(tmp_path, certs, upgrade):
+    """Bytes pipelined behind the IDENTIFY belong to the stream before its upgrade: never run as
+    commands (behind --tls-required they would be plaintext)."""
+    async with running_nsqd(tmp_path / "d", tls_cert=certs["tls_cert"], tls_key=certs["tls_key"],
+                            tls_required=1 if upgrade == "tls_v1" else 0) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        identify = json.dumps({"feature_negotiation": True, upgrade: True}).encode()
+        await conn.send(b"IDENTIFY\n" + len(identify).to_bytes(4, "big") + identify
+                        + b"PUB sneaked\n" + (5).to_bytes(4, "big") + b"plain")
+        kind, data = await conn.read_frame()
+        assert kind == FRAME_RESPONSE and json.loads(data)[upgrade] is True
+        if upgrade == "tls_v1":
+            conn.stream = trio.SSLStream(conn.stream, client_tls_context(certs), server_hostname="127.0.0.1")
+            await conn.stream.do_handshake()
+            await conn.expect_response(b"OK")
+            await conn.pub("t", b"over tls")  # the refusal the dropped PUB met does not linger
+            assert nsqd.topics["t"].message_count == 1
+        else:  # the OK comes compressed: any bytes after the response say the upgrade is done
+            with trio.fail_after(5):
+                assert conn._buf or await conn.stream.receive_some(100)
+            await trio.sleep(0.1)
+        assert "sneaked" not in nsqd.topics
