@@ -1,6 +1,6 @@
 """Client authorization through nsqd's auth HTTP protocol.
 
-The daemon asks an auth server ``GET <addr>/auth?remote_ip=&tls=&secret=&common_name=``
+The daemon asks an auth server ``GET <addr>/auth?common_name=&remote_ip=&secret=&tls=``
 (or POSTs the same form) and gets back ``{"ttl": s, "identity": ..., "identity_url":
 ..., "authorizations": [{"topic": re, "channels": [re...], "permissions":
 ["subscribe"|"publish"]}]}``. Servers are tried in a random order until one
@@ -124,8 +124,9 @@ async def _request(address, remote_ip, tls, secret, common_name, method, connect
                    ssl_context) -> bytes:
     endpoint = address if "://" in address else f"http://{address}/auth"
     url = urlsplit(endpoint)
-    form = urlencode({"remote_ip": remote_ip, "tls": "true" if tls else "false", "secret": secret,
-                      "common_name": common_name})
+    # sorted by key, as Go's url.Values.Encode writes them
+    form = urlencode({"common_name": common_name, "remote_ip": remote_ip, "secret": secret,
+                      "tls": "true" if tls else "false"})
     target = url.path or "/"
     if url.query:
         target += "?" + url.query

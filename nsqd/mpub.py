@@ -54,6 +54,29 @@ def split_mpub(body: bytes, max_msg_size: int, max_body_size: int) -> list[memor
     return bodies
 
 
+#: messages :func:`cut_short` checks at most (about 20 ms): past them it names the last message
+CUT_SHORT_WALK = 65536
+
+
+def cut_short(body: bytes | memoryview, max_msg_size: int, max_body_size: int) -> tuple[str, str]:
+    """What nsqd's reader fails on when an ``MPUB`` body ends early (``body``: what arrived of it).
+
+    nsqd reads the count, then each size and message in turn, checking
+    each as it comes, so the error names the first part it could not read
+    (or found wrong): ``(code, description)``. A body whose messages all
+    arrived but not its declared size is cut short in its last message (the
+    body is its declared size here, see docs/compatibility.md). The
+    exception is not returned: its traceback's frames would hold ``body`` in
+    a reference cycle until a full collection.
+    """
+    try:
+        count = message_count(body, max_body_size)
+        _walk(body, 4, 0, min(count, CUT_SHORT_WALK), max_msg_size, None)
+    except BadBatch as exc:
+        return exc.code, exc.desc
+    return "E_BAD_MESSAGE", "MPUB failed to read message body"
+
+
 class MpubBatch:
     """A big ``MPUB`` body: :meth:`validate` it (a step at a time), then take its :meth:`steps`."""
 

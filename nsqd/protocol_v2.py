@@ -37,7 +37,7 @@ from . import message
 from .body_budget import NO_ROOM
 from .broker import PublishError, PublishInSteps, SubscribeError
 from .client_v2 import STATE_CLOSING, STATE_INIT, STATE_SUBSCRIBED, ClientV2
-from .mpub import BadBatch, MpubBatch, split_mpub
+from .mpub import BadBatch, MpubBatch, cut_short, split_mpub
 from .names import go_json_text, is_valid_channel_name, is_valid_topic_name
 from .options import TLS_NOT_REQUIRED
 from .version import NSQD_VERSION
@@ -169,6 +169,25 @@ class V2Parser:
     @property
     def buffered(self) -> int:
         return len(self._buf)
+
+    def cut_short(self) -> tuple[str, str] | None:
+        """nsqd's error when the stream ends (or the read deadline passes) inside the body
+        command buffered: the part it failed to read. None for a partial line or nothing."""
+        buf = self._buf
+        nl = buf.find(b"\n")
+        if self._failed or self._skip or nl < 0:
+            return None
+        name = bytes(buf[:nl]).rstrip(b"\r").split(b" ")[0]
+        if name not in _BODY_COMMANDS:
+            return None
+        rest = memoryview(buf)[nl + 1:]
+        cmd = name.decode()
+        if name == b"MPUB":
+            if len(rest) < 4:
+                return "E_BAD_BODY", "MPUB failed to read body size"
+            return cut_short(rest[4:], self.max_msg_size, self.max_body_size)
+        code, what = ("E_BAD_BODY", "body") if name in (b"IDENTIFY", b"AUTH") else ("E_BAD_MESSAGE", "message body")
+        return code, f"{cmd} failed to read {what}{' size' if len(rest) < 4 else ''}"
 
     def restart(self) -> None:
         """Start over on a new stream (an upgrade): nothing buffered, no failure from the old one."""
@@ -322,7 +341,7 @@ def go_base10(value: bytes, what: str) -> int:
     if not value:
         return 0
     if not value.isdigit():
-        raise ClientError("E_INVALID", f"{what} {value.decode(errors='replace')}")
+        raise ClientError("E_INVALID", f"{what} {_raw(value)}")
     n = 0
     for start in range(0, len(value), 18):  # int() of a huge digit string is refused, 18 digits never are
         chunk = value[start:start + 18]
@@ -426,6 +445,18 @@ class ProtocolV2:
     def more(self) -> bool:
         return self.parser.more and not self.closed
 
+    def cut_short(self) -> bool:
+        """The client's stream ended inside a body command: answer what nsqd failed to read (fatal).
+
+        Returns whether there was such a command (its error frame is in the client's output).
+        """
+        problem = self.parser.cut_short()
+        if problem is None or self.closed:
+            return False
+        self._client_error(ClientError(*problem), self.client.out)
+        self.client.flush_now = True
+        return True
+
     def drop_before_upgrade(self) -> tuple[int, int]:
         """Forget what the client sent behind an upgrading IDENTIFY: (commands parsed, bytes unparsed).
 
@@ -483,7 +514,7 @@ class ProtocolV2:
                     self._check_tls(name)
                 handler = self._handlers.get(name)
                 if handler is None:
-                    raise ClientError("E_INVALID", f"invalid command {name.decode(errors='replace')}")
+                    raise ClientError("E_INVALID", f"invalid command {_raw(name)}")
                 response = handler(params, body, now_ns)
             except AuthRefresh:
                 self.pending.append(("auth",))
@@ -503,8 +534,10 @@ class ProtocolV2:
                 return
 
     def _client_error(self, err: ClientError, out: list) -> None:
-        log.log(30 if err.fatal else 20, "client error", client=self.client.remote_address, error=str(err))
-        out.append(message.encode_error(str(err).encode()))
+        text = str(err).encode(errors="surrogateescape")  # the client's own bytes, as nsqd echoes them
+        log.log(30 if err.fatal else 20, "client error", client=self.client.remote_address,
+                error=text.decode(errors="replace"))
+        out.append(message.encode_error(text))
         if err.fatal:
             self.closed = True
 
@@ -520,7 +553,7 @@ class ProtocolV2:
     # ------------------------------------------------------------ helpers
     def _check_tls(self, name: bytes) -> None:
         if self.tls_required and not self.client.tls:
-            raise ClientError("E_INVALID", f"cannot {name.decode(errors='replace')} in current state (TLS required)")
+            raise ClientError("E_INVALID", f"cannot {_raw(name)} in current state (TLS required)")
 
     def _check_auth(self, cmd: str, topic: str, channel: str = "") -> None:
         if not self.auth_enabled:
@@ -721,7 +754,7 @@ class ProtocolV2:
             out = self.held or client.out
             for msg_id, reason in failures:
                 out.append(message.encode_error(
-                    f"E_FIN_FAILED FIN {msg_id.decode(errors='replace')} failed {reason}".encode()))
+                    f"E_FIN_FAILED FIN {_raw(msg_id)} failed {reason}".encode(errors="surrogateescape")))
 
     def REQ(self, params, body, now_ns):
         client = self.client
@@ -730,7 +763,7 @@ class ProtocolV2:
         delay_ns = self._req_timeout_ns(self._base10(params[2], "REQ could not parse timeout"))
         reason = client.sub.requeue(msg_id, delay_ns, now_ns)
         if reason is not None:
-            raise ClientError("E_REQ_FAILED", f"REQ {msg_id.decode(errors='replace')} failed {reason}",
+            raise ClientError("E_REQ_FAILED", f"REQ {_raw(msg_id)} failed {reason}",
                               fatal=False)
         return None
 
@@ -740,7 +773,7 @@ class ProtocolV2:
         msg_id = self._message_id(params, "TOUCH", 2)
         reason = client.sub.touch(msg_id, now_ns)
         if reason is not None:
-            raise ClientError("E_TOUCH_FAILED", f"TOUCH {msg_id.decode(errors='replace')} failed {reason}",
+            raise ClientError("E_TOUCH_FAILED", f"TOUCH {_raw(msg_id)} failed {reason}",
                               fatal=False)
         return None
 
@@ -756,8 +789,8 @@ class ProtocolV2:
     # ------------------------------------------------- lease extension
     def _lease_args(self, params: list[bytes], cmd: str, needed: int) -> str:
         client = self.client
-        if not client.leases_enabled:
-            raise ClientError("E_INVALID", f"{cmd} requires the leases feature (IDENTIFY leases)")
+        if not client.leases_enabled:  # a client that did not ask sees plain nsqd, which knows no such verb
+            raise ClientError("E_INVALID", f"invalid command {cmd}")
         self._require_state(cmd, STATE_SUBSCRIBED, STATE_CLOSING)
         if len(params) < needed:
             raise ClientError("E_INVALID", f"{cmd} insufficient number of params")
@@ -884,9 +917,18 @@ _IDENTIFY_FIELDS = {
     "deflate_level": int, "msg_timeout": int, "sample_rate": int,
     "feature_negotiation": bool, "tls_v1": bool, "deflate": bool, "snappy": bool, "leases": bool,
 }
+_FOLDED_FIELDS = {key.lower(): key for key in _IDENTIFY_FIELDS}
+#: fields nsqd v1.3.0's identifyDataV2 does not have (newer nsqd's topology, our leases)
+_NOT_IN_NSQD_130 = frozenset(("topology_region", "topology_zone", "leases"))
 _INT_TOP = {"sample_rate": 1 << 31}  # the other integers are Go ints: 64 bits
 _ZERO = {str: "", int: 0, bool: False}
 _BAD_IDENTIFY_JSON = ("E_BAD_BODY", "IDENTIFY failed to decode JSON body")
+
+
+def _raw(value: bytes) -> str:
+    """Bytes from the client for an error text that gives them back as they came (nsqd formats
+    them raw): undecodable ones ride as surrogates and are encoded back when the frame is written."""
+    return value.decode(errors="surrogateescape")
 
 
 def _no_constant(name: str):
@@ -899,27 +941,38 @@ def _json_int(text: str) -> int | float:
     return int(text) if len(text) <= 20 else math.inf
 
 
+class _Pairs(list):
+    """A JSON object's members in their order (arrays stay plain lists)."""
+
+
 def _decode_identify(body: bytes) -> dict:
     """Go's ``json.Unmarshal`` into identifyDataV2, so clients see nsqd's answer.
 
     Strict JSON (no NaN or Infinity); a known field of the wrong type, or an
     integer out of its Go type's range, fails; unknown fields are ignored;
     absent and null fields are zero, as is a ``null`` body; invalid UTF-8 in a
-    string becomes U+FFFD. Every failure is ``IDENTIFY failed to decode JSON body``.
+    string becomes U+FFFD. A key matches its field in any letter case, the
+    exact name first, and the last key given for a field wins. Every failure is ``IDENTIFY failed to decode JSON body``.
     """
     try:
-        data = json.loads(body.decode(errors="replace"), parse_constant=_no_constant, parse_int=_json_int)
+        pairs = json.loads(body.decode(errors="replace"), parse_constant=_no_constant, parse_int=_json_int,
+                           object_pairs_hook=_Pairs)
     except (ValueError, RecursionError):
         raise ClientError(*_BAD_IDENTIFY_JSON) from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
+    if pairs is None:
+        pairs = _Pairs()
+    if type(pairs) is not _Pairs:
         raise ClientError(*_BAD_IDENTIFY_JSON)
+    data = {}
+    for key, value in pairs:  # in order: a later key for the same field wins, a null changes nothing
+        field = key if key in _IDENTIFY_FIELDS else _FOLDED_FIELDS.get(key.lower().replace("\u017f", "s"))
+        if field is not None and value is not None:
+            data[field] = value
     fields = {}
     for key, kind in _IDENTIFY_FIELDS.items():
         value = data.get(key)
-        if value is None:
-            value = _ZERO[kind]
+        if value is None or (type(value) is not kind and key in _NOT_IN_NSQD_130):
+            value = _ZERO[kind]  # nsqd v1.3.0 ignores a field it does not know, whatever its type
         elif type(value) is not kind:
             raise ClientError(*_BAD_IDENTIFY_JSON)
         elif kind is int and not -_INT_TOP.get(key, 1 << 63) <= value < _INT_TOP.get(key, 1 << 63):

@@ -309,6 +309,8 @@ class Connection:
             data = await self._receive()
             self._read_deadline = math.inf
             if not data:
+                if protocol.cut_short():
+                    await self._flush(wait=True)
                 return
 
     async def _receive(self) -> bytes | memoryview:
@@ -576,6 +578,9 @@ class Connection:
             self._pump_wake_at = -math.inf
             now = trio.current_time()
             if now >= self._read_deadline:
+                if self.protocol.cut_short():
+                    with trio.move_on_after(1):  # the client may not read it: a second, no more
+                        await self._flush(wait=True)
                 self._read_timed_out()
                 return
             if hb > 0 and now >= last_heartbeat + hb:

@@ -101,7 +101,7 @@ async def test_lease_commands_need_the_feature(tmp_path):
         conn = await NSQConnection.open(tcp_port(nsqd))
         await conn.sub("t", "c")
         await conn.command("LEASE a")
-        await conn.expect_error("E_INVALID LEASE requires the leases feature")
+        await conn.expect_error("E_INVALID invalid command LEASE")
         conn = await lease_consumer(nsqd)
         await conn.command("LEASE bad/name")
         await conn.expect_error('E_BAD_LEASE LEASE lease name "bad/name" is not valid')

@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 
-from .support import NSQConnection, free_port, running_nsqd, tcp_port
+from .support import FRAME_ERROR, NSQConnection, free_port, running_nsqd, tcp_port
 from .test_parity import AuthServer, ca, certs, grant  # noqa: F401 (ca and certs: fixtures)
 
 #: ceil(2**64 / 1e6): as a Duration of milliseconds it wraps to 448,384 ns
@@ -153,3 +153,78 @@ async def test_identify_with_a_lone_surrogate_escape_reads_it_as_the_replacement
         (client,) = nsqd.clients.values()
         assert (client.user_agent, client.client_id) == ("x\ufffdy", "\ufffd")
         assert (client.user_agent + client.client_id).encode("utf-8")
+
+
+CUT_SHORT = [
+    (b"PUB t\n\x00\x00", "E_BAD_MESSAGE PUB failed to read message body size"),
+    (b"PUB t\n\x00\x00\x00\x0aabc", "E_BAD_MESSAGE PUB failed to read message body"),
+    (b"DPUB t 10\n\x00\x00\x00\x0aabc", "E_BAD_MESSAGE DPUB failed to read message body"),
+    (b"IDENTIFY\n\x00\x00\x00", "E_BAD_BODY IDENTIFY failed to read body size"),
+    (b"IDENTIFY\n\x00\x00\x00\x10{\"a\"", "E_BAD_BODY IDENTIFY failed to read body"),
+    (b"AUTH\n\x00\x00\x00\x10sec", "E_BAD_BODY AUTH failed to read body"),
+    (b"MPUB t\n\x00\x00", "E_BAD_BODY MPUB failed to read body size"),
+    (b"MPUB t\n\x00\x00\x00\x20\x00\x00", "E_BAD_BODY MPUB failed to read message count"),
+    (b"MPUB t\n\x00\x00\x00\x20\x00\x00\x00\x00", "E_BAD_BODY MPUB invalid message count 0"),
+    (b"MPUB t\n\x00\x00\x00\x20\x00\x00\x00\x02", "E_BAD_MESSAGE MPUB failed to read message(0) body size"),
+    (b"MPUB t\n\x00\x00\x00\x20\x00\x00\x00\x02\x00\x00\x00\x01a\x00\x00",
+     "E_BAD_MESSAGE MPUB failed to read message(1) body size"),
+    (b"MPUB t\n\x00\x00\x00\x20\x00\x00\x00\x02\x00\x00\x00\x01a\x00\x00\x00\x00",
+     "E_BAD_MESSAGE MPUB invalid message(1) body size 0"),
+    (b"MPUB t\n\x00\x00\x00\x20\x00\x00\x00\x02\x00\x00\x00\x01a\x00\x00\x00\x05ab",
+     "E_BAD_MESSAGE MPUB failed to read message body"),
+]
+
+
+@pytest.mark.parametrize("data,error", CUT_SHORT, ids=[e.split(" ", 1)[1] for _, e in CUT_SHORT])
+@pytest.mark.parametrize("how", ["half-close", "read deadline"])
+async def test_a_body_cut_short_gets_the_error_nsqd_sends_for_what_it_failed_to_read(tmp_path, data, error, how):
+    async with running_nsqd(tmp_path) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        if how == "read deadline":
+            await conn.identify(heartbeat_interval=1000)
+        await conn.send(data)
+        if how == "half-close":
+            await conn.stream.send_eof()
+        while True:  # heartbeats go unanswered: a NOP would be read as the body's next bytes
+            kind, frame = await conn.read_frame(timeout=5)
+            if frame != b"_heartbeat_":
+                break
+        assert (kind, frame) == (FRAME_ERROR, error.encode())
+        assert (await conn.stream.receive_some(100)) == b""
+        assert "t" not in nsqd.topics
+
+
+async def test_identify_keys_match_their_fields_in_any_letter_case_as_gos_json_does(tmp_path):
+    async with running_nsqd(tmp_path) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.command("IDENTIFY", b'{"FEATURE_NEGOTIATION":true,"HEARTBEAT_INTERVAL":5}')
+        await conn.expect_error("E_BAD_BODY IDENTIFY heartbeat interval (5) is invalid")
+        await conn.expect_closed()
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        # the exact name wins over a folded one; the last key given for a field wins; null changes nothing
+        answer = await conn.identify(**{"Feature_Negotiation": True, "client_id": "exact", "CLIENT_ID": "folded",
+                                        "Msg_Timeout": 5000, "msg_timeout": 6000, "MSG_TIMEOUT": None})
+        assert answer["msg_timeout"] == 6000
+        (client,) = nsqd.clients.values()
+        assert client.client_id == "folded"
+
+
+@pytest.mark.parametrize("body", [b'{"topology_zone":5}', b'{"leases":1}', b'{"Topology_Region":[1]}'])
+async def test_identify_fields_nsqd_130_lacks_are_ignored_whatever_their_type(tmp_path, body):
+    async with running_nsqd(tmp_path) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.command("IDENTIFY", body)
+        await conn.expect_response(b"OK")
+
+
+async def test_error_texts_give_the_clients_bytes_back_as_they_came(tmp_path):
+    """nsqd formats the command's raw bytes into its error texts, valid UTF-8 or not."""
+    async with running_nsqd(tmp_path) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.sub("t", "c")
+        await conn.send(b"FIN 0123456789abcde\xff\nRDY \xfe1\n")
+        assert await conn.read_frame() == (FRAME_ERROR, b"E_FIN_FAILED FIN 0123456789abcde\xff failed ID not in flight")
+        assert await conn.read_frame() == (FRAME_ERROR, b"E_INVALID RDY could not parse count \xfe1")
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.send(b"\xff\xfeX\n")
+        assert await conn.read_frame() == (FRAME_ERROR, b"E_INVALID invalid command \xff\xfeX")
