@@ -51,6 +51,7 @@ import trio
 
 from nsqd.broker import PublishError
 from nsqd.options import TLS_NOT_REQUIRED, split_host_port
+from nsqd.slots import close_stream
 from nsqd.tcp import hang_up, peer_address
 from nsqd.tls import TLSStream, describe
 from nsqd.write_turn import WriteTurn
@@ -142,8 +143,7 @@ async def handle_connection(nsqd: Broker, stream: trio.SocketStream, idle_timeou
     try:
         secure = await _start_tls(stream, tls_context, remote)
         if secure is None:
-            with trio.CancelScope(shield=True):
-                await stream.aclose()
+            await close_stream(stream, remote=remote)
             return
         gateway = GatewayConnection(nsqd, remote, authenticate=authenticate, idle_timeout=idle_timeout,
                                     tls=None if tls_context is None else describe(secure))
@@ -156,10 +156,14 @@ async def handle_connection(nsqd: Broker, stream: trio.SocketStream, idle_timeou
             log.error("AMQP connection failed", client=remote, exc_info=group)
         finally:
             gateway.connection_lost()
-            with trio.CancelScope(shield=True):
-                with trio.move_on_after(1):
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                try:
                     await driver.say_goodbye()
-                    await stream.aclose()
+                except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError):
+                    pass
+                except Exception:
+                    log.exception("AMQP goodbye failed", client=remote)
+            await close_stream(stream, remote=remote)
     finally:
         nsqd.connection_slots.give_back()
 

@@ -10,7 +10,8 @@ Decompression is paced, because a few kilobytes can expand a thousandfold
 compressed, and the next ``receive_some`` is a checkpoint before it expands
 another step. The input held back is at most one read of the transport (and
 one snappy chunk), so neither memory nor the time between checkpoints
-depends on how well the sender's bytes compress.
+depends on how well the sender's bytes compress; a snappy step also ends
+after ``STEP_CHUNKS`` chunks, however little they hold.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from crc32c import crc32c
 
 #: most decompressed bytes one receive returns
 STEP_OUTPUT = 256 * 1024
+#: most snappy chunks one receive decodes: chunks that give nothing (padding, skippable or empty
+#: ones) cost time too, and a read's worth of them held the event loop for 80-100 ms
+STEP_CHUNKS = 1024
 
 
 class DeflateStream(trio.abc.Stream):
@@ -115,7 +119,9 @@ class SnappyStream(trio.abc.Stream):
         out = []
         size = 0
         pos = 0
-        while size < STEP_OUTPUT and len(buf) - pos >= 4:
+        chunks = 0
+        while size < STEP_OUTPUT and chunks < STEP_CHUNKS and len(buf) - pos >= 4:
+            chunks += 1
             kind = buf[pos]
             length = int.from_bytes(buf[pos + 1:pos + 4], "little")
             if length > _MAX_CHUNK:

@@ -641,6 +641,12 @@ class ProtocolV2:
         level = min(level, opts.max_deflate_level)
         if deflate and snappy:
             raise ClientError("E_IDENTIFY_FAILED", "cannot enable both deflate and snappy compression")
+        # a stream is upgraded once: TLS, then compression (each upgrade nested another layer, and a
+        # client repeating IDENTIFY could nest them until the daemon ran out of stack)
+        if tls_v1 and (client.tls or client.snappy or client.deflate):
+            raise ClientError("E_IDENTIFY_FAILED", "IDENTIFY failed TLS must come first and only once")
+        if (deflate or snappy) and (client.snappy or client.deflate):
+            raise ClientError("E_IDENTIFY_FAILED", "IDENTIFY failed compression is already enabled")
         if tls_v1:
             self.pending.append(("tls",))
         if snappy:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from contextlib import asynccontextmanager
 
+import structlog
 import trio
+
+log = structlog.get_logger("nsqd")
 
 #: after a fatal error frame, the longest we wait for the client to hang up first
 LINGER = 1.0
@@ -49,6 +52,21 @@ class ConnectionSlots:
             pass
         finally:
             self.refusing -= 1
-            with trio.CancelScope(shield=True):
-                with trio.move_on_after(1):
-                    await stream.aclose()
+            await close_stream(stream)
+
+
+async def close_stream(stream: trio.abc.AsyncResource, *, remote: str = "") -> None:
+    """Close a connection's stream, shielded, within a second; never raises.
+
+    A connection's end must not end the daemon: closing can fail when the
+    connection broke in an unusual way (a read still registered on its
+    descriptor), and the error would reach the nursery every connection
+    runs in.
+    """
+    with trio.CancelScope(shield=True), trio.move_on_after(1):
+        try:
+            await stream.aclose()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+        except Exception:
+            log.exception("closing a connection failed", client=remote)

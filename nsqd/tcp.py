@@ -74,7 +74,7 @@ from .body_budget import BIG_BODY
 from .broker import PublishError
 from .protocol_v2 import HEARTBEAT, MAGIC_V2, ProtocolV2, Unconfirmed
 from .readiness import ReadinessHub
-from .slots import LINGER
+from .slots import LINGER, close_stream
 from .staging import PublishBatch
 from .write_turn import WriteTurn
 
@@ -149,9 +149,7 @@ async def handle_connection(nsqd: Broker, stream: trio.SocketStream, hub: Readin
         log.error("connection failed", client=remote, exc_info=group)
     finally:
         nsqd.connection_slots.give_back()
-        with trio.CancelScope(shield=True):
-            with trio.move_on_after(1):
-                await stream.aclose()
+        await close_stream(stream, remote=remote)
 
 
 async def refuse_connection(nsqd: Broker, stream: trio.SocketStream) -> None:

@@ -290,6 +290,24 @@ async def test_a_bad_snappy_chunk_drops_the_connection_before_buffering(tmp_path
         assert not nsqd.clients, why
 
 
+@pytest.mark.parametrize("first,second,error", [
+    ("deflate", "deflate", "compression is already enabled"),
+    ("snappy", "snappy", "compression is already enabled"),
+    ("snappy", "deflate", "compression is already enabled"),
+    ("deflate", "tls_v1", "TLS must come first and only once"),
+])
+async def test_a_stream_is_upgraded_once_so_a_client_cannot_nest_layers(tmp_path, certs, first, second, error):  # noqa: F811
+    """A client repeating IDENTIFY nested a layer each time, until the daemon ran out of stack and exited."""
+    async with running_nsqd(tmp_path / "d", tls_cert=certs["tls_cert"], tls_key=certs["tls_key"]) as nsqd:
+        reader = await _compressed_connection(nsqd, first)
+        identify = json.dumps({"feature_negotiation": True, second: True}).encode()
+        await reader.conn.send(_compressed(first, b"IDENTIFY\n" + struct.pack(">i", len(identify)) + identify))
+        assert await reader.frame() == (FRAME_ERROR, f"E_IDENTIFY_FAILED IDENTIFY failed {error}".encode())
+        with trio.fail_after(5):
+            while nsqd.clients:
+                await trio.sleep(0.01)
+
+
 async def test_a_flood_of_tiny_commands_over_tls_does_not_delay_ping(tmp_path, certs):  # noqa: F811
     async with running_nsqd(tmp_path / "d", http_address="127.0.0.1:0", tls_cert=certs["tls_cert"],
                             tls_key=certs["tls_key"]) as nsqd:
@@ -312,3 +330,18 @@ async def test_a_flood_of_tiny_commands_over_tls_does_not_delay_ping(tmp_path, c
             await trio.sleep(0.2)  # the first megabytes are in
             times = await _pings_during(nsqd, done, count=5)
         assert max(times) < 0.1, sorted(times)
+
+
+async def test_closing_a_connection_never_raises_into_the_nursery_all_connections_share():
+    from nsqd.slots import close_stream
+
+    class Stale(trio.abc.AsyncResource):
+        async def aclose(self):
+            raise trio.ClosedResourceError("another task closed this fd")
+
+    class Buggy(trio.abc.AsyncResource):
+        async def aclose(self):
+            raise RuntimeError("a bug")
+
+    await close_stream(Stale())
+    await close_stream(Buggy(), remote="127.0.0.1:1")
