@@ -57,6 +57,9 @@ log = structlog.get_logger("nsqd")
 METADATA_FILE = "nsqd.dat"
 #: seconds between retries of a metadata save (or of a shutdown write) while the disk fails
 STORAGE_RETRY = 1.0
+#: while storage fails, /ping says OK again once this much can be reserved in the data path
+PROBE_BYTES = 1 << 20
+PROBE_FILE = ".nsqd-storage-probe"
 #: tries at writing what memory holds at shutdown before it is logged as lost
 SHUTDOWN_RETRIES = 3
 #: fewest messages a step of a big batch holds, however many channels share them
@@ -285,12 +288,17 @@ class Broker:
     def _storage_failed(self, error: str) -> None:
         if self.storage_error is None:
             log.error("storage failing", error=error)
+            self._metadata_dirty.set()  # the metadata writer probes the disk from now on
         self.storage_error = error
 
     def _storage_recovered(self) -> None:
+        """The disk took a write again: /ping says OK, and the queues' last failures are history
+        (a queue that still cannot write says so at its next write)."""
         if self.storage_error is not None:
             log.info("storage recovered", after=self.storage_error)
             self.storage_error = None
+        for queue in self.backends():
+            queue.failing = None
 
     def now_ns(self) -> int:
         """Wall-clock nanoseconds that follow Trio's clock (so tests can jump time)."""
@@ -781,8 +789,10 @@ class Broker:
     async def _metadata_writer(self) -> None:
         """Save nsqd.dat after changes (coalesced); on a disk failure retry, and report NOK meanwhile.
 
-        While storage is failing it also probes the disk queues' health: once
-        every queue and the metadata can be written again, /ping says OK.
+        While storage is failing it saves nsqd.dat every ``STORAGE_RETRY``
+        and reserves ``PROBE_BYTES`` as a probe of the disk: once both work,
+        /ping says OK again (waiting for each failed queue's next write kept
+        it NOK for good when that queue went quiet).
         """
         while True:
             if self.storage_error is None:
@@ -804,13 +814,23 @@ class Broker:
                 continue
             self._metadata_saved = changes
             done.event.set()
-            if self.storage_error is not None:
-                failing = [q.failing for q in self.backends() if q.failing]
-                if failing:
-                    self._metadata_dirty.set()  # keep probing until the queues write again
-                else:
-                    self._storage_recovered()
+            if self.storage_error is not None and await trio.to_thread.run_sync(self._room_to_write):
+                self._storage_recovered()
             await trio.sleep(0.05)  # coalesce bursts of changes
+
+    def _room_to_write(self) -> bool:
+        """Whether the data path has ``PROBE_BYTES`` free for a write (blocks reserved, then freed)."""
+        path = self.data_path / PROBE_FILE
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            try:
+                os.posix_fallocate(fd, 0, PROBE_BYTES)
+            finally:
+                os.close(fd)
+                os.unlink(path)
+        except OSError:
+            return False
+        return True
 
     async def _backlog_mover(self) -> None:
         """Hand topics' disk backlogs to their channels in bounded steps.

@@ -110,6 +110,31 @@ async def test_full_disk_refuses_publishes_keeps_serving_and_recovers(small_fs):
     assert await daemon.stop() == 0
 
 
+async def test_ping_says_ok_again_once_there_is_room_even_with_nothing_written_since(small_fs):
+    """A queue whose last write failed and that then goes quiet kept /ping NOK for good."""
+    http_port = free_port()
+    daemon = Daemon(small_fs, "--mem-queue-size=0", "--max-bytes-per-file=262144",
+                    f"--http-address=127.0.0.1:{http_port}")
+    await daemon.wait_ready()
+    http = HTTPClient(http_port)
+    try:
+        conn = await NSQConnection.open(daemon.port)
+        await fill_up(conn, "t", [])
+        with trio.fail_after(5):  # stays NOK while full: the probe finds no room
+            for _ in range(12):
+                assert (await http.get("/ping")).status == 500
+                await trio.sleep(0.25)
+        grow(small_fs, "64m")  # nothing is published, paused or created from here on
+        with trio.fail_after(10):
+            while (await http.get("/ping")).status != 200:
+                await trio.sleep(0.2)
+        await conn.mpub("t", [b"after"])
+        assert (await http.get("/ping")).body == b"OK"
+    finally:
+        if daemon.proc.poll() is None:
+            assert await daemon.stop() == 0
+
+
 async def test_shutdown_on_a_full_disk_exits_0_and_keeps_what_it_confirmed(small_fs):
     args = ["--sync-timeout=200ms", "--max-bytes-per-file=262144"]  # memory queues on: shutdown must write them
     daemon = Daemon(small_fs, *args)
