@@ -10,6 +10,7 @@ import trio
 
 from nsqd.diskq import DiskQueue, DiskQueueReadError, DiskQueueWriteError
 from nsqd.diskq import writer as writer_module
+from nsqd.diskq.metadata import CheckpointFile, Metadata, encode_metadata, load_metadata
 
 RECORD = 200
 
@@ -206,3 +207,56 @@ def test_a_refused_put_does_not_come_back_after_a_crash(tmp_path, monkeypatch):
     queue = DiskQueue("q", tmp_path)
     assert drain(queue) == [b"written"]
     queue.close()
+
+
+def _ballast(directory, chunk=64 * 1024):
+    """Fill the filesystem: a file grown until the disk refuses."""
+    with open(directory / "ballast", "wb", buffering=0) as f:
+        while True:
+            try:
+                f.write(b"\0" * chunk)
+            except OSError:
+                return
+
+
+def test_a_checkpoint_that_grows_on_a_full_disk_is_refused_whole_and_the_last_one_stays(small_fs):
+    """Overwritten in place, a longer document cut short by a full disk tore the file: recovery then
+    went back to the metadata saved at open, and every FIN since came back."""
+    path = small_fs / "q.checkpoint.json"
+    first = Metadata(read_segment=3, read_position=16, write_segment=3, write_position=800, depth=2, sequence=7)
+    checkpoint = CheckpointFile(path)
+    checkpoint.save(first)
+    _ballast(small_fs)
+    longer = Metadata(read_segment=3, read_position=16, write_segment=3, write_position=900, depth=2,
+                      kept=tuple((i, i, {"a": i}) for i in range(1000)), kept_count=1000, sequence=8)
+    assert len(encode_metadata(longer)) > 3 * 4096
+    with pytest.raises(OSError) as refused:
+        checkpoint.save(longer)
+    assert refused.value.errno == errno.ENOSPC
+    assert load_metadata(path) == first
+    (small_fs / "ballast").unlink()
+    checkpoint.save(longer)
+    assert load_metadata(path) == longer
+
+
+def test_a_checkpoint_write_cut_short_puts_the_last_document_back(tmp_path, monkeypatch):
+    """Where blocks cannot be reserved ahead, a short write is undone with the document it replaced."""
+    path = tmp_path / "q.checkpoint.json"
+    first = Metadata(read_segment=1, read_position=16, write_segment=1, write_position=64, depth=1, sequence=2)
+    checkpoint = CheckpointFile(path)
+    checkpoint.save(first)
+    real_pwrite = os.pwrite
+    calls = []
+
+    def half(fd, data, offset):
+        calls.append(len(data))
+        if len(calls) == 1:  # the longer save: half of it lands, then the disk is full
+            return real_pwrite(fd, bytes(data)[:len(data) // 2 + 100], offset)
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", half)
+    longer = Metadata(read_segment=1, read_position=16, write_segment=1, write_position=64, depth=1,
+                      kept=tuple((i, i, {"a": i}) for i in range(100)), kept_count=100, sequence=3)
+    with pytest.raises(OSError):
+        checkpoint.save(longer)
+    assert load_metadata(path) == first

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .naming import fsync_directory
+from .reserve import reserve_now
 
 METADATA_VERSION = 3
 _READABLE_VERSIONS = (1, 2, 3)
@@ -152,29 +153,51 @@ class CheckpointFile:
     it is opened again after its queue rested: a kill, or a full disk, right
     after the truncate left an empty file, and recovery went back to the
     metadata saved at open). A shorter document is written padded with
-    blanks to the old size, which JSON ignores, and cut to size after: every
-    state the file passes through is a valid document.
+    blanks to the old size, which JSON ignores, and cut to size after; a
+    longer one gets its blocks reserved first, so a full disk refuses the
+    save before anything is overwritten (a short write had torn the file:
+    every FIN since the open came back). Should a write fail all the same,
+    the last document goes back in its place. Every state the file passes
+    through is a valid document.
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._fd: int | None = None
         self._size = 0
+        #: the document the file holds, to put back if a save fails part-way
+        self._saved = b""
 
     def save(self, meta: Metadata) -> None:
         data = encode_metadata(meta)
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             self._size = os.fstat(self._fd).st_size
+            self._saved = os.pread(self._fd, self._size, 0)
         size = len(data)
         if size < self._size:
             data += b" " * (self._size - size)
-        written = os.pwrite(self._fd, data, 0)
-        if written != len(data):
-            raise OSError(errno.EIO, f"short write of {self.path} ({written} of {len(data)} bytes)")
+        elif size > self._size:
+            reserve_now(self._fd, 0, size)
+        try:
+            written = os.pwrite(self._fd, data, 0)
+            if written != len(data):
+                raise OSError(errno.ENOSPC, f"short write of {self.path} ({written} of {len(data)} bytes)")
+        except OSError:
+            self._put_back()
+            raise
         if size < self._size:
             os.ftruncate(self._fd, size)
         self._size = size
+        self._saved = data[:size]
+
+    def _put_back(self) -> None:
+        """Write the last document over a torn save (its blocks are the file's already)."""
+        try:
+            os.pwrite(self._fd, self._saved, 0)
+            os.ftruncate(self._fd, self._size)  # a longer save may have extended the file part-way
+        except OSError:
+            pass
 
     def remove(self) -> None:
         """Close and delete the file (the metadata file now holds a newer save)."""

@@ -18,6 +18,7 @@ before.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import sys
 
@@ -41,6 +42,19 @@ def reserve(fd: int, offset: int, length: int) -> bool:
     if worth is None:
         worth = _worth[device] = not _in_memory(fd)
     return worth and _fallocate(fd, _KEEP_SIZE, offset, length) == 0
+
+
+def reserve_now(fd: int, offset: int, length: int) -> None:
+    """Allocate blocks as :func:`reserve` does, on any filesystem; raises OSError when there is no
+    room (a write into them then cannot fail for space). Does nothing where the call is missing."""
+    if not _loaded:
+        _load()
+    if _fallocate is None or length <= 0:
+        return
+    if _fallocate(fd, _KEEP_SIZE, offset, length) != 0:
+        code = ctypes.get_errno()
+        if code not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise OSError(code, os.strerror(code))
 
 
 def _in_memory(fd: int) -> bool:
