@@ -507,6 +507,7 @@ class HTTPAPI:
 
     async def topic_create(self, request: Request) -> None:
         self._get_topic(self._topic_arg(request.query()))
+        await self.nsqd.metadata_saved()  # created, deleted, paused: in nsqd.dat before the 200
 
     async def topic_delete(self, request: Request) -> None:
         name = _first(request.query(), "topic")
@@ -514,6 +515,7 @@ class HTTPAPI:
             raise HTTPError(400, "MISSING_ARG_TOPIC")
         self._existing_topic(name)
         self.nsqd.delete_topic(name)
+        await self.nsqd.metadata_saved()  # a crash right after must not bring it back
 
     async def topic_empty(self, request: Request) -> None:
         self._existing_topic(self._topic_arg(request.query())).empty()
@@ -615,12 +617,14 @@ class HTTPAPI:
             raise HTTPError(503, "EXITING") from None
         except DiskQueueError as exc:
             raise HTTPError(503, f"STORAGE_FAILED: {exc}") from None
+        await self.nsqd.metadata_saved()
 
     async def channel_delete(self, request: Request) -> None:
         topic, channel_name = self._topic_and_channel(request)
         if channel_name not in topic.channels:
             raise HTTPError(404, "CHANNEL_NOT_FOUND")
         self.nsqd.delete_channel(topic, channel_name)
+        await self.nsqd.metadata_saved()  # a resurrected channel would collect every message for no one
 
     async def channel_empty(self, request: Request) -> None:
         self._existing_channel(request).empty()

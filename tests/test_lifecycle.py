@@ -52,3 +52,30 @@ async def test_fin_and_req_after_a_quiet_period_are_checkpointed_before_sigkill(
     msg = await conn.read_message(timeout=3)
     assert msg.body == b"marker"  # neither the finished nor the requeued (not yet due) one came back
     assert await daemon.stop() == 0
+
+
+async def test_what_the_http_api_created_or_deleted_holds_after_a_sigkill_right_after_its_200(tmp_path):
+    """A deleted channel that came back would collect every new message for no one."""
+    from .conftest import HTTPClient
+    from .support import free_port
+
+    port = free_port()
+    daemon = Daemon(tmp_path, f"--http-address=127.0.0.1:{port}")
+    await daemon.wait_ready()
+    http = HTTPClient(port)
+    for path in ["/topic/create?topic=t", "/channel/create?topic=t&channel=a",
+                 "/channel/create?topic=t&channel=b", "/topic/create?topic=u",
+                 "/channel/create?topic=u&channel=c"]:
+        assert (await http.post(path)).status == 200
+    await trio.sleep(0.3)  # all of that saved; now each change is killed right after its answer
+    assert (await http.post("/channel/delete?topic=t&channel=b")).status == 200
+    assert (await http.post("/topic/delete?topic=u")).status == 200
+    assert (await http.post("/channel/create?topic=t&channel=new")).status == 200
+    assert await daemon.stop(signal.SIGKILL) == -signal.SIGKILL
+
+    daemon = Daemon(tmp_path, f"--http-address=127.0.0.1:{port}")
+    await daemon.wait_ready()
+    stats = (await http.get("/stats?format=json")).json()
+    topics = {t["topic_name"]: sorted(c["channel_name"] for c in t["channels"]) for t in stats["topics"]}
+    assert topics == {"t": ["a", "new"]}
+    assert await daemon.stop() == 0
