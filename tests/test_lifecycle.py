@@ -74,8 +74,10 @@ async def test_what_the_http_api_created_or_deleted_holds_after_a_sigkill_right_
     assert await daemon.stop(signal.SIGKILL) == -signal.SIGKILL
 
     daemon = Daemon(tmp_path, f"--http-address=127.0.0.1:{port}")
-    await daemon.wait_ready()
-    stats = (await http.get("/stats?format=json")).json()
-    topics = {t["topic_name"]: sorted(c["channel_name"] for c in t["channels"]) for t in stats["topics"]}
-    assert topics == {"t": ["a", "new"]}
-    assert await daemon.stop() == 0
+    try:
+        await daemon.wait_ready()
+        stats = (await http.get("/stats?format=json")).json()
+        topics = {t["topic_name"]: sorted(c["channel_name"] for c in t["channels"]) for t in stats["topics"]}
+        assert topics == {"t": ["a", "new"]}
+    finally:
+        assert await daemon.stop() == 0
