@@ -41,7 +41,7 @@ log = structlog.get_logger("nsqd.http")
 JSON_TYPE = b"application/json; charset=utf-8"
 TEXT_TYPE = b"text/plain; charset=utf-8"
 PROMETHEUS_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
-_V1_HEADER = (b"x-nsq-content-type", b"nsq; version=1.0")
+_V1_HEADER = (b"X-Nsq-Content-Type", b"nsq; version=1.0")
 
 # Go's boolParams: anything else means "use the default"
 _BOOL_PARAMS = {"true": True, "1": True, "false": False, "0": False}
@@ -195,7 +195,7 @@ class HTTPAPI:
         )
         status, headers, body = await self.respond(request)
         if body.content_type is not None:
-            headers.append((b"content-type", body.content_type))
+            headers.append((b"Content-Type", body.content_type))
         log.debug("http request", status=status, method=request.method, uri=request.uri,
                   remote=http_request.remote, elapsed_ms=round((time.perf_counter() - started) * 1000, 3))
         return http_server.Response(status, headers, body.data)
@@ -215,9 +215,9 @@ class HTTPAPI:
         if handler is None:
             allow = ", ".join(sorted([*methods, "OPTIONS"])).encode()
             if request.method == "OPTIONS":
-                return 200, [(b"allow", allow)], Body(b"", None)
+                return 200, [(b"Allow", allow)], Body(b"", None)
             status, headers, body = _v1_error(405, "METHOD_NOT_ALLOWED")
-            return status, [(b"allow", allow), *headers], body
+            return status, [(b"Allow", allow), *headers], body
         if self.nsqd.options.auth_http_addresses and request.path not in _OPEN_PATHS and request.method != "GET":
             refused = await self._check_auth(request)
             if refused is not None:

@@ -155,7 +155,7 @@ _STATUS_MESSAGES = {400: "BAD_REQUEST", 431: "HEADER_TOO_BIG", 501: "NOT_IMPLEME
 def error_response(status: int, message: str) -> Response:
     """The server's own answers, in nsqd's JSON error style."""
     body = b'{"message":"%s"}' % message.encode()
-    return Response(status, [(b"content-type", b"application/json; charset=utf-8")], body)
+    return Response(status, [(b"Content-Type", b"application/json; charset=utf-8")], body)
 
 
 async def open_listener(address: str) -> trio.SocketListener:
@@ -260,12 +260,17 @@ class HTTPServer:
 
     def serialise(self, conn: h11.Connection, response: Response, *, close: bool = False,
                   head_only: bool = False) -> bytes:
-        """The response's bytes; ``close`` asks the client to close (h11 adds it where HTTP needs it)."""
-        headers = [*response.headers, (b"content-length", b"%d" % len(response.body)), (b"date", self.date())]
+        """The response's bytes; ``close`` asks the client to close (h11 adds it where HTTP needs it).
+
+        Header names are written as Go's net/http writes them (``Content-Type``).
+        """
+        headers = [*response.headers, (b"Content-Length", b"%d" % len(response.body)), (b"Date", self.date())]
         if close:
-            headers.append((b"connection", b"close"))
+            headers.append((b"Connection", b"close"))
         data = conn.send(h11.Response(status_code=response.status, headers=headers,
                                       reason=_REASONS.get(response.status, b"")))
+        if conn.their_http_version == b"1.0":  # Go's net/http answers in the request's version
+            data = b"HTTP/1.0" + data[8:]
         if response.body and not head_only:
             data += conn.send(h11.Data(data=response.body))
         return data + conn.send(h11.EndOfMessage())
@@ -483,7 +488,7 @@ class _Connection:
                 raise BadRequest(400, "BAD_REQUEST", "a line of the chunked body ends with a bare LF")
             if conn.they_are_waiting_for_100_continue:
                 await self._send(conn.send(h11.InformationalResponse(
-                    status_code=100, headers=[(b"date", self.server.date())], reason=b"Continue")))
+                    status_code=100, headers=[(b"Date", self.server.date())], reason=b"Continue")))
             self._set_deadline("body", self._body_deadline)
             waiting = self.server._waiting_for_body
             waiting[self] = trio.current_time()

@@ -72,3 +72,19 @@ async def test_config_lookupd_address_with_a_lone_surrogate_escape_reads_it_as_t
     response = await http.put("/config/nsqlookupd_tcp_addresses", b'["x\\ud800:4160"]')
     assert response.status == 200
     assert nsqd_server.options.lookupd_tcp_addresses == ["x\ufffd:4160"]
+
+
+@pytest.mark.parametrize("version", [b"1.1", b"1.0"])
+async def test_status_line_and_header_names_are_written_as_gos_net_http_writes_them(nsqd_server, version):
+    from .conftest import http_port
+
+    stream = await trio.open_tcp_stream("127.0.0.1", http_port(nsqd_server))
+    await stream.send_all(b"GET /info HTTP/" + version + b"\r\nHost: x\r\nConnection: close\r\n\r\n")
+    data = b""
+    with trio.fail_after(5):
+        while chunk := await stream.receive_some(65536):
+            data += chunk
+    head = data.split(b"\r\n\r\n", 1)[0].split(b"\r\n")
+    assert head[0] == b"HTTP/" + version + b" 200 OK"
+    names = {line.split(b":", 1)[0] for line in head[1:]}
+    assert {b"Content-Type", b"Content-Length", b"Date", b"X-Nsq-Content-Type"} <= names, names
