@@ -37,6 +37,9 @@ class AuthError(Exception):
 #: RE2 reports a bad pattern by raising, not also on standard error
 _RE2_OPTIONS = re2.Options()
 _RE2_OPTIONS.log_errors = False
+#: most topic and channel patterns one reply may hold
+MAX_PATTERNS = 1024
+_GO_INT = 1 << 63
 
 
 def _pattern(source: Any) -> Any:
@@ -80,10 +83,34 @@ class AuthState:
 
 
 def parse_reply(body: bytes, now: float) -> AuthState:
-    """Validate an auth server's JSON reply as nsqd does."""
+    """Validate an auth server's JSON reply as nsqd does.
+
+    ``ttl`` is a JSON integer (Go's int: a string, a fraction or 1e400 is
+    refused as Go's decoder refuses it). At most ``MAX_PATTERNS`` patterns,
+    each text compiled once: every publish and subscribe is checked against
+    them in the event loop, and a 1 MB reply of 250,000 entries had held it
+    for seconds.
+    """
     try:
         doc = json.loads(body)
-        ttl = int(doc.get("ttl", 0))
+        ttl = doc.get("ttl", 0)
+        if ttl is None:
+            ttl = 0
+        if type(ttl) is not int or not -_GO_INT <= ttl < _GO_INT:
+            raise ValueError(f"ttl {str(ttl)[:32]} is not an integer")
+        compiled: dict[str, Any] = {}
+        patterns = 0
+
+        def pattern(source: Any) -> Any:
+            nonlocal patterns
+            patterns += 1
+            if patterns > MAX_PATTERNS:
+                raise ValueError(f"more than {MAX_PATTERNS} topic and channel patterns")
+            if isinstance(source, str) and source in compiled:
+                return compiled[source]
+            compiled[source] = found = _pattern(source)
+            return found
+
         auths = []
         for item in doc.get("authorizations") or []:
             perms = frozenset(item.get("permissions") or [])
@@ -91,16 +118,17 @@ def parse_reply(body: bytes, now: float) -> AuthState:
             if unknown:
                 raise AuthError(f"unknown permission {sorted(unknown)[0]}")
             auths.append(Authorization(
-                _pattern(item.get("topic", "")),
-                tuple(_pattern(c) for c in item.get("channels") or []),
+                pattern(item.get("topic", "")),
+                tuple(pattern(c) for c in item.get("channels") or []),
                 perms,
             ))
-    except (ValueError, TypeError, AttributeError, RecursionError) as exc:
+        state = AuthState(str(doc.get("identity", "")), str(doc.get("identity_url", "")), now + ttl,
+                          tuple(auths))
+    except (ValueError, TypeError, AttributeError, RecursionError, OverflowError) as exc:
         raise AuthError(f"invalid auth reply: {exc}") from None
     if ttl <= 0:
         raise AuthError(f"invalid TTL {ttl} (must be >0)")
-    return AuthState(str(doc.get("identity", "")), str(doc.get("identity_url", "")), now + ttl,
-                     tuple(auths))
+    return state
 
 
 async def query_any(addresses: list[str], *, remote_ip: str, tls: bool, secret: str, common_name: str = "",

@@ -90,6 +90,8 @@ class LookupPeer:
     @property
     def http_address(self) -> str | None:
         """nsqlookupd's HTTP address from its IDENTIFY answer (kept after a disconnect, as nsqd does)."""
+        if not isinstance(self.info, dict):
+            return None
         host, port = self.info.get("broadcast_address"), self.info.get("http_port")
         if not host or not isinstance(host, str) or type(port) is not int:
             return None
@@ -129,13 +131,15 @@ class LookupPeer:
             stream = await trio.open_tcp_stream(host or "127.0.0.1", port)
         async with stream:
             reader = _Responses(stream)
-            await stream.send_all(b"  V1")
             body = identify_body(self.nsqd)
-            await stream.send_all(b"IDENTIFY\n" + struct.pack(">i", len(body)) + body)
+            await _write(stream, b"  V1IDENTIFY\n" + struct.pack(">i", len(body)) + body)
             response = await reader.next()
             if response.startswith(b"E_"):
                 raise ValueError(f"lookupd refused IDENTIFY: {response.decode(errors='replace')}")
-            self.info = json.loads(response)
+            info = json.loads(response)
+            if not isinstance(info, dict):  # it was kept, and every new topic's start read it
+                raise ValueError(f"lookupd answered IDENTIFY with {type(info).__name__}, not an object")
+            self.info = info
             self.identified = True
             log.info("lookupd connected", lookupd=self.address, info=self.info)
             await self._register_all(stream, reader)
@@ -146,7 +150,7 @@ class LookupPeer:
                 if not self._dirty:
                     await self._idle(stream, next_ping)
                 if trio.current_time() >= next_ping:
-                    await stream.send_all(b"PING\n")
+                    await _write(stream, b"PING\n")
                     await reader.next()
                     next_ping = trio.current_time() + PING_INTERVAL
 
@@ -168,8 +172,12 @@ class LookupPeer:
             nursery.cancel_scope.deadline = deadline
             nursery.start_soon(changed)
             nursery.start_soon(readable)
-        if hung_up and not await stream.receive_some(65536):
-            raise EOFError("lookupd closed the connection")
+        if hung_up:
+            if not await stream.receive_some(65536):
+                raise EOFError("lookupd closed the connection")
+            # it would be taken for the answer to our next command (and each wake-up went over
+            # every registration)
+            raise ValueError("lookupd sent what nothing asked for")
 
     async def _register_all(self, stream, reader) -> None:
         """Tell a fresh connection everything, as nsqd's connect callback does.
@@ -195,11 +203,18 @@ class LookupPeer:
             self.registered.add((topic, channel))
 
     async def _send(self, stream, reader, verb: str, topic: str, channel: str) -> None:
-        await stream.send_all(command(verb, topic, channel))
+        await _write(stream, command(verb, topic, channel))
         response = await reader.next()
         if response != b"OK":
             log.warning("lookupd answered", lookupd=self.address, command=verb, topic=topic,
                         channel=channel, response=response.decode(errors="replace"))
+
+
+async def _write(stream: trio.abc.Stream, data: bytes) -> None:
+    """Send within ``RESPONSE_TIMEOUT``, as nsqd's one-second write deadline: a lookupd that stops
+    reading fails the session, which reconnects, rather than wedging it for good."""
+    with trio.fail_after(RESPONSE_TIMEOUT):
+        await stream.send_all(data)
 
 
 class _Responses:

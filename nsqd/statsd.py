@@ -8,6 +8,7 @@ into UDP datagrams of at most ``--statsd-udp-packet-size`` bytes.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import structlog
@@ -20,6 +21,9 @@ if TYPE_CHECKING:
     from .broker import Broker
 
 log = structlog.get_logger("nsqd.statsd")
+
+#: topics turned into lines between two yields of the sender
+TOPICS_PER_STEP = 64
 
 
 def host_key(host_port: str) -> str:
@@ -64,8 +68,16 @@ class StatsdReporter:
         out.append(f"{self.prefix}{name}:{int(value)}|g")
 
     def lines(self, snapshot: stats.NSQDStats) -> list[str]:
+        return [line for step in self.lines_in_steps(snapshot) for line in step]
+
+    def lines_in_steps(self, snapshot: stats.NSQDStats, topics_per_step: int = TOPICS_PER_STEP) -> Iterator[list[str]]:
+        """The snapshot's lines, a few topics' worth at a time (the sender yields between steps:
+        with 3,000 topics one go held the event loop for over 100 ms)."""
         out: list[str] = []
-        for t in snapshot.topics:
+        for index, t in enumerate(snapshot.topics):
+            if index and index % topics_per_step == 0:
+                yield out
+                out = []
             if self.exclude_ephemeral and t.topic_name.endswith("#ephemeral"):
                 continue
             base = f"topic.{t.topic_name}"
@@ -95,7 +107,7 @@ class StatsdReporter:
                 self._gauge(out, f"mem.{name}", getattr(mem, name))
             self._counter(out, "mem.gc_runs", mem.gc_total_runs)
         self._last, self._totals = self._totals, {}
-        return out
+        yield out
 
 
 def packets(lines: list[str], size: int) -> list[bytes]:
@@ -113,6 +125,8 @@ def packets(lines: list[str], size: int) -> list[bytes]:
 
 
 async def statsd_loop(nsqd: Broker) -> None:
+    """Every ``--statsd-interval``: a snapshot, sent over a socket opened for it (as Go dials for
+    each push): a statsd that cannot be resolved or reached is logged and tried again next time."""
     opts = nsqd.options
     if not opts.statsd_address:
         return
@@ -120,14 +134,33 @@ async def statsd_loop(nsqd: Broker) -> None:
     http_port = opts.broadcast_http_port or (nsqd.http_addresses[0][1] if nsqd.http_addresses else 0)
     reporter = StatsdReporter(metric_prefix(opts.statsd_prefix, opts.broadcast_address, http_port),
                               opts.statsd_exclude_ephemeral, opts.statsd_mem_stats)
-    sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_DGRAM)
-    with sock:
-        await sock.connect((host or "127.0.0.1", port))
-        while True:
-            await trio.sleep(opts.statsd_interval)
-            snapshot = await stats.snapshot_paced(nsqd, include_clients=False, include_mem=opts.statsd_mem_stats)
-            for packet in packets(reporter.lines(snapshot), opts.statsd_udp_packet_size):
-                try:
-                    await sock.send(packet)
-                except OSError as exc:  # nobody listening: statsd is best effort
-                    log.debug("statsd send failed", error=str(exc))
+    while True:
+        await trio.sleep(opts.statsd_interval)
+        snapshot = await stats.snapshot_paced(nsqd, include_clients=False, include_mem=opts.statsd_mem_stats)
+        try:
+            sock = await _dial(host or "127.0.0.1", port)
+        except OSError as exc:
+            log.warning("statsd unreachable", address=opts.statsd_address, error=str(exc))
+            for _ in reporter.lines_in_steps(snapshot):  # the counters' changes start from here
+                pass
+            continue
+        with sock:
+            for step in reporter.lines_in_steps(snapshot):
+                for packet in packets(step, opts.statsd_udp_packet_size):
+                    try:
+                        await sock.send(packet)
+                    except OSError as exc:  # nobody listening: statsd is best effort
+                        log.debug("statsd send failed", error=str(exc))
+                await trio.lowlevel.checkpoint()
+
+
+async def _dial(host: str, port: int) -> trio.socket.SocketType:
+    """A UDP socket connected to statsd, of the family its address resolves to."""
+    family, kind, proto, _, address = (await trio.socket.getaddrinfo(host, port, type=trio.socket.SOCK_DGRAM))[0]
+    sock = trio.socket.socket(family, kind, proto)
+    try:
+        await sock.connect(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock

@@ -1,6 +1,7 @@
 """What nsqd tells nsqlookupd and when, checked against Go nsqd's lookup loop."""
 
 import trio
+import trio.testing
 
 from nsqd import lookup
 
@@ -179,3 +180,80 @@ async def test_a_session_that_identified_starts_the_backoff_afresh(tmp_path, mon
     assert gaps[3] > 0.7  # the fourth failure in a row: 0.8 s
     assert lookupd.identify is not None
     assert gaps[4] < 0.5  # the fifth connection identified: back to 0.1 s (plus its 0.05 s)
+
+
+async def _serve_raw(nursery, handler) -> int:
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    nursery.start_soon(trio.serve_listeners, handler, listeners)
+    return listeners[0].socket.getsockname()[1]
+
+
+async def test_an_identify_answer_that_is_no_object_is_refused_and_topics_still_start(tmp_path):
+    """It was kept as the lookupd's info, and every new topic's start failed on it
+    (E_PUB_FAILED internal error), even after that lookupd was gone."""
+    import struct
+
+    from .support import NSQConnection, tcp_port
+
+    sessions = []
+
+    async def odd(stream):
+        sessions.append(stream)
+        await stream.receive_some(4096)
+        await stream.send_all(struct.pack(">i", 6) + b"[1, 2]")
+        while await stream.receive_some(4096):
+            pass
+
+    async with trio.open_nursery() as nursery:
+        port = await _serve_raw(nursery, odd)
+        async with running_nsqd(tmp_path, lookupd_tcp_addresses=[f"127.0.0.1:{port}"]) as nsqd:
+            with trio.fail_after(5):
+                while not sessions:
+                    await trio.sleep(0.01)
+            await trio.sleep(0.2)
+            conn = await NSQConnection.open(tcp_port(nsqd))
+            await conn.pub("brand_new", b"x")
+            assert nsqd.topics["brand_new"].message_count == 1
+            with trio.fail_after(5):  # refused: the session ends and is tried again
+                while len(sessions) < 2:
+                    await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_lookupd_that_sends_what_nothing_asked_for_or_stops_reading_is_dropped(tmp_path):
+    """Unasked-for frames were thrown away at every wake-up (each going over every registration:
+    a core's worth at one a millisecond); a lookupd that stopped reading wedged the session."""
+    import struct
+
+    sessions = []
+
+    async def chatty(stream):
+        sessions.append(trio.current_time())
+        await stream.receive_some(4096)
+        await stream.send_all(struct.pack(">i", 2) + b"{}")
+        try:
+            while True:
+                await trio.sleep(0.01)
+                await stream.send_all(struct.pack(">i", 2) + b"OK")
+        except trio.BrokenResourceError:
+            pass
+
+    async with trio.open_nursery() as nursery:
+        port = await _serve_raw(nursery, chatty)
+        async with running_nsqd(tmp_path, lookupd_tcp_addresses=[f"127.0.0.1:{port}"]):
+            with trio.fail_after(5):
+                while len(sessions) < 2:
+                    await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_write_to_lookupd_has_nsqds_one_second_deadline():
+    """A lookupd that stops reading must fail the session, not wedge it."""
+    start = trio.current_time()
+    never_read = trio.testing.lockstep_stream_pair()[0]  # a send waits for a reader that never comes
+    with trio.move_on_after(5):
+        try:
+            await lookup._write(never_read, b"REGISTER t\n")
+        except trio.TooSlowError:
+            pass
+    assert 0.9 <= trio.current_time() - start < 2

@@ -270,6 +270,28 @@ def test_auth_decisions_follow_nsqd():
         parse_reply(json.dumps(grant(5, [".*"], ["publish"])).encode(), now=0)
 
 
+@pytest.mark.parametrize("ttl", ["Infinity", "1e400", "1" + "0" * 400, '"10"', "3.5", "true"])
+def test_an_auth_ttl_that_is_no_go_integer_is_an_invalid_reply(ttl):
+    """Infinity and 10**400 raised OverflowError out of the parser: the client was dropped with no
+    answer (over HTTP, no response at all) and the other auth servers were never tried."""
+    from nsqd.auth import AuthError, parse_reply
+    body = json.dumps(grant("a", [".*"], ["publish"])).replace('"ttl": 3600', f'"ttl": {ttl}')
+    assert f'"ttl": {ttl}' in body
+    with pytest.raises(AuthError, match="invalid auth reply"):
+        parse_reply(body.encode(), now=0)
+
+
+def test_an_auth_reply_holds_at_most_1024_patterns_each_compiled_once():
+    """250,000 entries in a 1 MB reply held the event loop for 4 s (and each publish walked them)."""
+    from nsqd.auth import MAX_PATTERNS, AuthError, parse_reply
+    many = {"ttl": 60, "authorizations": [{"topic": "^t$", "channels": [".*"], "permissions": ["publish"]}] * 512}
+    state = parse_reply(json.dumps(many).encode(), now=0)
+    assert len({id(a.topic) for a in state.authorizations}) == 1  # one text, one compiled pattern
+    many["authorizations"].append({"topic": "x", "permissions": ["publish"]})
+    with pytest.raises(AuthError, match=f"more than {MAX_PATTERNS}"):
+        parse_reply(json.dumps(many).encode(), now=0)
+
+
 def test_auth_patterns_match_in_linear_time():
     """Python's re backtracks: this pattern and a 28-letter topic held the event loop 8 s, and
     each letter more doubles that. The decision runs in a subprocess, so a regression fails by
@@ -332,6 +354,25 @@ async def test_statsd_receives_nsqd_metric_names(tmp_path):
                 later.update((await sock.recv(65536)).decode().splitlines())
         assert "nsq.node_local_4151.topic.t.message_count:0|c" in later  # counters send the change
     sock.close()
+
+
+async def test_statsd_over_ipv6_and_an_unresolvable_statsd_leave_the_daemon_running(tmp_path):
+    """The socket was IPv4 only and connected once, outside any error handling: either address
+    ended the daemon (exit 1) after it was already listening."""
+    sock = trio.socket.socket(trio.socket.AF_INET6, trio.socket.SOCK_DGRAM)
+    await sock.bind(("::1", 0))
+    port = sock.getsockname()[1]
+    async with running_nsqd(tmp_path / "a", statsd_address=f"[::1]:{port}", statsd_interval=0.2) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.pub("t", b"x")
+        with trio.fail_after(3):
+            while b"topic.t.message_count:1|c" not in await sock.recv(65536):
+                pass
+    sock.close()
+    async with running_nsqd(tmp_path / "b", statsd_address="no-such-host.invalid:8125", statsd_interval=0.1) as nsqd:
+        await trio.sleep(0.5)  # a few intervals, each failing to resolve
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.pub("t", b"still here")
 
 
 def test_statsd_packets_respect_the_size():
