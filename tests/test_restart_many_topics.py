@@ -37,9 +37,12 @@ async def test_a_restart_lists_the_data_directory_once_and_recovers_every_queue(
         depths = {name: topic.channels["c"].depth for name, topic in nsqd.topics.items()}
         nsqd.declare("fresh", "c")  # a new topic and channel have no files to look for
         nsqd.delete_topic("t3")
+        left = [name for name in real_listdir(nsqd.data_path)
+                if name.startswith(("t3.diskq.", "t3%3Ac.diskq.")) and not name.endswith(".trash")]
+        assert not left, left  # every file of the deleted topic's queues went, segments included
         nsqd.declare("t3", "c")  # nor has a topic deleted since, which took its files with it
         listed_after_start = len(calls) - listed_at_start
         assert nsqd.topics["t3"].channels["c"].depth == 0
     assert listed_at_start <= 3  # once for nsqd.dat's queues (3 * TOPICS before), plus the Go takeover's own
-    assert listed_after_start == 2  # the deleted topic's two queues list their files as they delete them
+    assert listed_after_start == 0  # deleting a queue removes the segments it knows of: no listing
     assert depths == {**{f"t{index}": 1 for index in range(TOPICS)}, "t7": 2, "a.diskq.b": 1}

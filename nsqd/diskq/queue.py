@@ -30,7 +30,7 @@ import errno
 import functools
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -900,7 +900,9 @@ class DiskQueue:
             if self._closed:  # closed earlier: hold the lock again while removing
                 self._lock()
             self._shut()
-            self._discard_segments(self._files.list_segments())
+            # the segments it may have: no listing of the data path (36 ms at 28,000 files, three
+            # times for a topic with two channels, in the event loop); older ones were released
+            self._discard_segments(range(self._oldest_segment, self._writer.segment + 1))
             metadata = self._files.metadata_path
             for path in (metadata, metadata.with_name(metadata.name + ".tmp"), self._files.checkpoint_path,
                          self._files.lock_path):
@@ -908,7 +910,7 @@ class DiskQueue:
         self._log.info("diskq_deleted")
         self._release_waiters(DiskQueueError(f"disk queue {self.name!r} was deleted"))
 
-    def _discard_segments(self, segments: list[int]) -> None:
+    def _discard_segments(self, segments: Iterable[int]) -> None:
         """Remove these segments from the queue: renamed into the trash bin, or unlinked here."""
         trashed = []
         for segment in segments:
