@@ -10,6 +10,7 @@ import h11
 import nsq
 import pytest
 import trio
+import trio.testing
 import trustme
 
 from .support import FRAME_RESPONSE, Daemon, NSQConnection, running_nsqd, tcp_port
@@ -432,3 +433,19 @@ async def test_commands_sent_behind_an_upgrading_identify_are_dropped_as_nsqd_do
                 assert conn._buf or await conn.stream.receive_some(100)
             await trio.sleep(0.1)
         assert "sneaked" not in nsqd.topics
+
+
+@pytest.mark.parametrize("reply", [
+    b"HTTP/1.1 100 Continue\r\n\r\n" * 100,
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"1\r\n{\r\n" * 40_000,
+], ids=["endless 100 Continue", "1-byte chunks"])
+async def test_an_auth_server_cannot_make_the_daemon_take_endless_events(reply):
+    """Each event is Python work: informational answers are capped, and each chunk costs 64 bytes
+    of the 1 MiB a reply may hold (40,000 one-byte chunks are over it)."""
+    from nsqd import http_client
+
+    ours, theirs = trio.testing.memory_stream_pair()
+    await theirs.send_all(reply)
+    with pytest.raises(http_client.ResponseError):
+        with trio.fail_after(5):
+            await http_client.exchange(ours, "GET", "/auth", [("Host", "x")])
