@@ -43,6 +43,8 @@ PING_INTERVAL = 15.0
 #: nsqd's lookup peer gives the dial, and each read, a second
 CONNECT_TIMEOUT = 1.0
 RESPONSE_TIMEOUT = 1.0
+#: channel queries (``GET /channels``, one connection each) under way at once, over all lookupds
+MAX_CHANNEL_QUERIES = 64
 #: the wait before reconnecting after a failure, doubled up to MAX_BACKOFF while failures go on
 FIRST_BACKOFF = 1.0
 MAX_BACKOFF = 15.0
@@ -258,7 +260,8 @@ async def lookup_loop(nsqd: Broker) -> None:
     nsqd.on_topology_change.append(notify)
     nsqd.lookupd_http_addresses = lambda: [a for peer, _ in peers.values() if (a := peer.http_address)]
     nsqd.topic_channels = partial(topic_channels, connect_timeout=nsqd.options.http_client_connect_timeout,
-                                  request_timeout=nsqd.options.http_client_request_timeout)
+                                  request_timeout=nsqd.options.http_client_request_timeout,
+                                  limiter=trio.CapacityLimiter(MAX_CHANNEL_QUERIES))
     try:
         async with trio.open_nursery() as nursery:
             seen = -1
@@ -284,17 +287,27 @@ async def _run_peer(peer: LookupPeer, scope: trio.CancelScope) -> None:
 
 
 async def topic_channels(addresses: list[str], topic: str, *, connect_timeout: float,
-                         request_timeout: float) -> list[str]:
+                         request_timeout: float, limiter: trio.CapacityLimiter | None = None) -> list[str]:
     """The channels the nsqlookupds know for a topic (``GET /channels``), asked in parallel.
 
     What a new topic starts with, as nsqd's GetTopic asks: ``#ephemeral``
-    ones are left out, and a lookupd that fails is logged and skipped.
+    ones are left out, and a lookupd that fails is logged and skipped, as is
+    one asked while ``limiter``'s queries are all under way (each is a
+    connection: 1,000 new topics and 50 slow lookupds had taken 19,000
+    descriptors, and new clients were refused).
     """
     found: set[str] = set()
     target = "/channels?" + urlencode({"topic": topic})
 
     async def ask(address: str) -> None:
         headers = [("host", address), ("accept", "application/vnd.nsq; version=1.0")]
+        if limiter is not None:
+            try:
+                limiter.acquire_on_behalf_of_nowait(token := object())
+            except trio.WouldBlock:
+                log.warning("lookupd channels query skipped: too many under way", lookupd=address, topic=topic,
+                            limit=limiter.total_tokens)
+                return
         try:
             host, port = split_host_port(address)
             body = await http_client.get(host, port, target, headers, connect_timeout, request_timeout)
@@ -304,6 +317,9 @@ async def topic_channels(addresses: list[str], topic: str, *, connect_timeout: f
         except (http_client.ResponseError, ValueError, KeyError, TypeError, RecursionError,
                 *http_client.FAILURES) as exc:
             log.warning("lookupd channels query failed", lookupd=address, topic=topic, error=str(exc) or type(exc).__name__)
+        finally:
+            if limiter is not None:
+                limiter.release_on_behalf_of(token)
 
     async with trio.open_nursery() as nursery:
         for address in addresses:

@@ -257,3 +257,28 @@ async def test_a_write_to_lookupd_has_nsqds_one_second_deadline():
         except trio.TooSlowError:
             pass
     assert 0.9 <= trio.current_time() - start < 2
+
+
+async def test_channel_queries_under_way_are_capped_and_the_rest_skipped():
+    """Each is a connection: 1,000 new topics and 50 slow lookupds took 19,000 descriptors."""
+    async def silent(stream):
+        await trio.sleep_forever()
+
+    finished = {}
+    async with trio.open_nursery() as nursery:
+        port = await _serve_raw(nursery, silent)
+        limiter = trio.CapacityLimiter(1)
+        start = trio.current_time()
+
+        async def start_topic(name):
+            await lookup.topic_channels([f"127.0.0.1:{port}"], name, connect_timeout=1, request_timeout=1,
+                                        limiter=limiter)
+            finished[name] = trio.current_time() - start
+
+        async with trio.open_nursery() as topics:
+            topics.start_soon(start_topic, "first")
+            await trio.sleep(0.1)
+            topics.start_soon(start_topic, "second")
+        nursery.cancel_scope.cancel()
+    assert finished["second"] < 0.5 and finished["first"] >= 0.9
+    assert limiter.borrowed_tokens == 0
