@@ -801,6 +801,8 @@ class Broker:
                 with trio.move_on_after(STORAGE_RETRY):
                     await self._metadata_dirty.wait()
             self._metadata_dirty = trio.Event()
+            if self.storage_error is not None:
+                self._seal_drained_queues()
             changes = self._metadata_changes
             done, self._metadata_save_done = self._metadata_save_done, _SaveDone()
             try:
@@ -817,6 +819,15 @@ class Broker:
             if self.storage_error is not None and await trio.to_thread.run_sync(self._room_to_write):
                 self._storage_recovered()
             await trio.sleep(0.05)  # coalesce bursts of changes
+
+    def _seal_drained_queues(self) -> None:
+        """While storage fails: every queue read to its end starts a new segment, whatever the
+        size of its current one, so that one is deleted once its records are released (the
+        space consumers free must come back, or the disk stays full however much they read)."""
+        for topic in list(self.topics.values()):
+            for queue in (topic.backend, *(channel.backend for channel in topic.channels.values())):
+                if queue is not None and not queue.closed:
+                    queue.seal_if_drained(0)
 
     def _room_to_write(self) -> bool:
         """Whether the data path has ``PROBE_BYTES`` free for a write (blocks reserved, then freed)."""

@@ -26,6 +26,7 @@ import structlog
 from . import message
 from .channel import Channel, ChannelExiting, PendingPut
 from .diskq import DiskQueueError
+from .diskq.records import RECORD_HEADER_SIZE
 from .e2e import LatencyWindow
 from .policy import TopicPolicy, with_channel_changes
 
@@ -39,6 +40,23 @@ log = structlog.get_logger("nsqd.topic")
 #: megabytes at a time, not 2,000 of them in one go
 BACKLOG_STEP = 2000
 BACKLOG_STEP_BYTES = 4 * 1024 * 1024
+#: steps of the disk backlog lent to the channels' memory at most while the disk cannot take copies
+LENT_STEPS = 4
+#: nanoseconds between tries at writing the channels' copies again while lending
+LEND_RETRY_NS = 1_000_000_000
+
+
+class _Lent:
+    """A step of the topic's disk backlog handed to the channels in memory: its records stay
+    in the topic's queue until no channel that got it still holds one of its messages."""
+
+    __slots__ = ("kept", "count", "ids", "channels")
+
+    def __init__(self, kept: list[tuple[int, int, None]], ids: set[bytes], channels: list[Channel]) -> None:
+        self.kept = kept
+        self.count = len(ids)
+        self.ids = ids
+        self.channels = channels
 
 
 class QueueFull(Exception):
@@ -89,9 +107,12 @@ class Topic:
         self._mem_count = 0
         #: records read from the backend whose channel copies are not durable yet (kept meanwhile)
         self._moving: list[tuple[int, int, None]] = []
-        #: frames read from the backend that no channel could take yet (a full disk), with positions
-        self._retry: list[tuple[bytes, int]] = []
-        #: the last backlog step could not be written (a full disk): the mover waits before the next
+        #: steps of the disk backlog the channels hold in memory because their disks could not
+        #: take copies (a full disk); see :meth:`_lend`
+        self._lent: list[_Lent] = []
+        #: while lending: when the channels' disks are tried again (daemon clock, ns)
+        self._write_retry_ns = 0
+        #: the mover waits before this topic's next step (lent steps are not finished yet)
         self.stalled = False
         #: called once when room may have been made (publishers starved by a limit wait on it); a
         #: dict, so a publisher that asks again while the topic stays full is in it once
@@ -109,7 +130,7 @@ class Topic:
 
     @property
     def depth(self) -> int:
-        return self._mem_count + len(self._retry) + self.backend_depth
+        return self._mem_count + self.backend_depth
 
     # ---------------------------------------------------------- channels
     def get_channel(self, name: str, overrides: dict | None = None) -> Channel:
@@ -326,13 +347,12 @@ class Topic:
             ids, frames, due_ns = self._chunks[0]
             try:
                 self._fan_out(ids, frames, False, due_ns)
-            except DiskQueueError as exc:  # a full disk: kept here, handed on by the backlog mover
-                log.error("topic backlog kept until the disk has room", topic=self.name, error=str(exc))
-                self.stalled = True
-                break
+            except DiskQueueError as exc:  # a full disk: memory-only messages stay in memory
+                log.error("topic backlog handed on in memory: the disk is full", topic=self.name, error=str(exc))
+                self._fan_out_to_memory(ids, frames, due_ns)
             self._chunks.popleft()
             self._mem_count -= len(frames)
-        if self.backend_depth or self._retry or self._chunks:
+        if self.backend_depth or self._lent:
             self._on_backlog(self)
 
     def move_backlog(self) -> tuple[bool, list[DiskQueue]]:
@@ -345,60 +365,116 @@ class Topic:
             return False, []
         if self._chunks:
             self._release_backlog()
-            if self._chunks:
+        self.stalled = False
+        if self._lent:
+            self._finish_lent()
+            if len(self._lent) >= LENT_STEPS:  # the consumers have not finished what was lent yet
+                self.stalled = True
                 return True, []
         durable = self.policy.durable
-        items = self._retry
-        self._retry = []
-        if not items and self.backend is not None:
+        items: list[tuple[bytes, int, int, int]] = []  # (frame, due_ns, position, record length)
+        if self.backend is not None:
             try:
                 payloads, positions = self.backend.read_positioned(BACKLOG_STEP, BACKLOG_STEP_BYTES)
             except DiskQueueError as exc:
                 log.error("cannot read the topic's disk queue", topic=self.name, error=str(exc))
                 return False, []
-            items = list(zip(payloads, positions))
-        if not items:
-            return False, []
-        plain: list[tuple[bytes, int]] = []
-        done: set[int] = set()
-        try:
-            for payload, pos in items:
+            for payload, pos in zip(payloads, positions):
                 try:
                     frame, due_ns, _failed = message.from_disk(payload)
                 except message.BadRecord as exc:
                     self.dropped_count += 1
-                    done.add(pos)
                     log.error("undecodable message on disk", topic=self.name, error=str(exc))
                     continue
-                if due_ns:
-                    self._fan_out([message.frame_id(frame)], [frame], durable, due_ns)
-                    done.add(pos)
-                else:
-                    plain.append((frame, pos))
-            if plain:
-                frames = [frame for frame, _ in plain]
-                self._fan_out(list(map(message.frame_id_of, frames)), frames, durable, 0)
-                done.update(pos for _, pos in plain)
-        except DiskQueueError as exc:
-            log.error("topic backlog kept until the disk has room", topic=self.name, error=str(exc))
-            self._retry = [(payload, pos) for payload, pos in items if pos not in done]
-            self.stalled = True
+                items.append((frame, due_ns, pos, len(payload)))
+        if not items:
+            self.stalled = bool(self._lent)
+            return bool(self._lent), []
+        done: list[int] = []
+        if self._lent and self.clock() < self._write_retry_ns:  # the disks failed moments ago
+            self._lend(items, None)
         else:
-            self.stalled = False
+            try:
+                for frame, due_ns, pos, _ in items:
+                    if due_ns:
+                        self._fan_out([message.frame_id(frame)], [frame], durable, due_ns)
+                        done.append(pos)
+                plain = [item for item in items if not item[1]]
+                if plain:
+                    frames = [item[0] for item in plain]
+                    self._fan_out(list(map(message.frame_id_of, frames)), frames, durable, 0)
+                    done += [item[2] for item in plain]
+            except DiskQueueError as exc:
+                finished = set(done)
+                self._lend([item for item in items if item[2] not in finished], str(exc))
         queues: list[DiskQueue] = []
         if durable and done:
             self._moving.append((min(done), max(done), None))
             queues = [c.backend for c in self.channels.values() if c.backend is not None]
-        more = bool(self.backend is not None and self.backend.depth) or bool(self._retry)
+        more = bool(self.backend is not None and self.backend.depth) or bool(self._lent)
         return more, queues
+
+    def _lend(self, items: list[tuple[bytes, int, int, int]], error: str | None) -> None:
+        """Hand a step to the channels in memory, past their bound: their disks cannot take copies.
+
+        Without this a backlog the topic kept on a full disk could never
+        reach a consumer (its copy needs room the disk lacks, and only the
+        consumers reading it would make room). The records stay in the
+        topic's queue, kept, until no channel holds one of the messages
+        (:meth:`_finish_lent`), so a crash delivers them again and loses
+        none; at most ``LENT_STEPS`` steps are lent at a time.
+        """
+        if error is not None:
+            if not self._lent:
+                log.error("topic backlog lent to its channels in memory until the disk has room",
+                          topic=self.name, error=error)
+            self._write_retry_ns = self.clock() + LEND_RETRY_NS
+        items = sorted(items, key=lambda item: item[2])
+        kept: list[tuple[int, int, None]] = []
+        end = -1  # where the last kept record ends: a record starting there extends its interval
+        for _, _, pos, length in items:
+            if pos == end:
+                kept[-1] = (kept[-1][0], pos, None)
+            else:
+                kept.append((pos, pos, None))
+            end = pos + RECORD_HEADER_SIZE + length
+        for frame, due_ns, _, _ in items:
+            if due_ns:
+                self._fan_out_to_memory([message.frame_id(frame)], [frame], due_ns)
+        frames = [item[0] for item in items if not item[1]]
+        ids = list(map(message.frame_id_of, frames))
+        if frames:
+            self._fan_out_to_memory(ids, frames, 0)
+        self._lent.append(_Lent(kept, set(map(message.frame_id_of, [item[0] for item in items])),
+                                list(self.channels.values())))
+        self.stalled = len(self._lent) >= LENT_STEPS
+
+    def _fan_out_to_memory(self, ids: list[bytes], frames: list[bytes], due_ns: int) -> None:
+        for channel in self.channels.values():
+            channel.commit_put(channel.prepare_in_memory(ids, frames, due_ns))
+
+    def _finish_lent(self) -> None:
+        """Let go of the lent steps no channel holds a message of any more (their records may go)."""
+        channels = self.channels
+        still = [lent for lent in self._lent
+                 if any(channels.get(channel.name) is channel and channel.holds_any(lent.ids)
+                        for channel in lent.channels)]
+        if len(still) != len(self._lent):
+            self._lent = still
+            if self.backend is not None:
+                self.backend.kept_changed()
 
     def backlog_moved(self) -> None:
         """The channel copies of the moved steps are durable: their topic records may go."""
         self._moving.clear()
 
     def _kept(self) -> tuple[list, int]:
-        kept = list(self._moving) + [(pos, pos, None) for _, pos in self._retry]
-        return kept, len(self._retry)
+        kept = list(self._moving)
+        count = 0
+        for lent in self._lent:
+            kept += lent.kept
+            count += lent.count
+        return kept, count
 
     # -------------------------------------------------------------- admin
     def take_backlog(self, count: int) -> list[bytes]:
@@ -441,7 +517,7 @@ class Topic:
     def empty(self) -> None:
         self._chunks.clear()
         self._mem_count = 0
-        self._retry.clear()
+        self._lent.clear()
         self._moving.clear()
         if self.backend is not None:
             self.backend.empty()

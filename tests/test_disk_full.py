@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from .conftest import HTTPClient
-from .support import Daemon, NSQConnection, free_port
+from .support import Daemon, NSQConnection, free_port, mpub_body
 
 
 @pytest.fixture
@@ -108,6 +108,65 @@ async def test_full_disk_refuses_publishes_keeps_serving_and_recovers(small_fs):
         await conn.command(b"FIN " + msg.id)
     assert got == set(confirmed)
     assert await daemon.stop() == 0
+
+
+@pytest.mark.parametrize("mode,kill", [("--mem-queue-size=0", None), ("--durable", "before"),
+                                       ("--mem-queue-size=0", "midway")])
+async def test_a_backlog_that_filled_the_disk_reaches_its_consumers_and_gives_the_room_back(small_fs, mode, kill):
+    """Published before any channel existed, the backlog is all in the topic's queue. Copying it to
+    the new channel needs room the disk lacks, and only reading it would make room: the daemon
+    lends it to the channel in memory, and the space comes back once it is read. One segment holds
+    it all (the default --max-bytes-per-file), so the room comes back only if a drained segment goes.
+    A SIGKILL before or while it is read loses nothing."""
+    http_port = free_port()
+    args = [mode, "--sync-timeout=200ms", f"--http-address=127.0.0.1:{http_port}"]
+    daemon = Daemon(small_fs, *args)
+    await daemon.wait_ready()
+    http = HTTPClient(http_port)
+
+    async def restart():
+        nonlocal daemon
+        daemon.proc.kill()
+        await trio.to_thread.run_sync(daemon.proc.wait, 10)
+        daemon = Daemon(small_fs, *args)
+        await daemon.wait_ready()
+
+    try:
+        conn = await NSQConnection.open(daemon.port)
+        confirmed: list[bytes] = []
+        error = await fill_up(conn, "t", confirmed)
+        assert b"No space left" in error and len(confirmed) > 2000
+        if kill == "before":  # killed, and started again on the full disk
+            await restart()
+        conn = await NSQConnection.open(daemon.port)
+        await conn.sub("t", "c")
+        await conn.command("RDY 300")
+        got = set()
+        with trio.fail_after(60):
+            while len(got) < len(confirmed):
+                msg = await conn.read_message()
+                got.add(msg.body)
+                await conn.command(b"FIN " + msg.id)
+                if kill == "midway" and len(got) == len(confirmed) // 2:
+                    await trio.sleep(0.5)  # a checkpoint or two of what was finished
+                    await restart()
+                    kill = None
+                    conn = await NSQConnection.open(daemon.port)
+                    await conn.sub("t", "c")
+                    await conn.command("RDY 300")
+        assert got == set(confirmed)
+        with trio.fail_after(15):  # the drained segments went: /ping is OK and publishing works again
+            while (await http.get("/ping")).status != 200:
+                await trio.sleep(0.2)
+        await conn.command("MPUB t", mpub_body([b"after"]))
+        frames = {await conn.read_non_heartbeat() for _ in range(2)}  # durable: delivered before its OK
+        assert (0, b"OK") in frames and any(kind == 2 and data.endswith(b"after") for kind, data in frames)
+        stats = (await http.get("/stats?format=json")).json()
+        topic = stats["topics"][0]
+        assert topic["depth"] == 0 and topic["channels"][0]["depth"] == 0
+    finally:
+        if daemon.proc.poll() is None:
+            assert await daemon.stop() == 0
 
 
 async def test_ping_says_ok_again_once_there_is_room_even_with_nothing_written_since(small_fs):

@@ -55,6 +55,11 @@ if TYPE_CHECKING:
 
 logger = structlog.get_logger("nsqd.diskq")
 
+#: a queue read to its end starts a new segment once its current one holds this much, so that the
+#: read one can go (without this a drained queue kept up to --max-bytes-per-file on disk until
+#: it filled that segment, space a full disk never got back); see :meth:`DiskQueue.seal_if_drained`
+SEAL_DRAINED = 16 << 20
+
 #: what a keeper returns: the read records still held (as kept intervals) and how many records they are
 KeptSnapshot = tuple[list[Kept], int]
 
@@ -387,7 +392,26 @@ class DiskQueue:
             self._request_checkpoint()
         if len(records) < max_count:
             self._reconcile_depth()
+            if self._writer.end >= SEAL_DRAINED:
+                self.seal_if_drained(SEAL_DRAINED)
         return records
+
+    def seal_if_drained(self, min_bytes: int = SEAL_DRAINED) -> bool:
+        """Start a new segment if everything written was read and the current one holds ``min_bytes``.
+
+        The read segment is then deleted at the checkpoint after its last
+        records are released (a drained queue otherwise keeps its current
+        segment until that fills). The daemon asks every queue, whatever
+        its size, while the disk is full.
+        """
+        writer, reader = self._writer, self._reader
+        if (self._closed or self._depth or self._filter_until is not None
+                or writer.end <= SEGMENT_HEADER_SIZE or writer.end < min_bytes or not reader.caught_up):
+            return False
+        writer.seal()
+        reader.jump(writer.segment, SEGMENT_HEADER_SIZE)
+        self._request_checkpoint()
+        return True
 
     def _filter(self, records: list[bytes], found: list[int], first: int) -> list[bytes]:
         """Drop the records finished before the last stop (not kept) or reserved, and their positions."""

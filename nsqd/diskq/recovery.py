@@ -150,6 +150,10 @@ class _Recovery:
             if meta.read_position <= self.sizes[meta.read_segment]:
                 return meta.read_segment, max(meta.read_position, SEGMENT_HEADER_SIZE)
             self.log.warning("diskq_read_position_past_end", segment=meta.read_segment, position=meta.read_position)
+        elif meta is not None and meta.read_segment == meta.write_segment > segments[-1] and meta.write_position == 0:
+            # read to the end, then a new segment started (see DiskQueue.seal_if_drained) that was
+            # never written: the older segments hold only records released or kept
+            return meta.read_segment, SEGMENT_HEADER_SIZE
         return segments[0], SEGMENT_HEADER_SIZE
 
     def _trust_write_side(self, meta: Metadata, segments: list[int], read_segment: int, read_position: int) -> bool:

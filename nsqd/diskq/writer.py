@@ -169,6 +169,15 @@ class SegmentWriter:
         self.end = end
         self._reserved = 0
 
+    def seal(self) -> None:
+        """End the current segment where it is: the next write starts the next segment."""
+        if self._fd is not None:
+            self.retired.append(self._fd)  # the next sync covers and closes it
+            self._fd = None
+        self.segment += 1
+        self.end = 0
+        self._reserved = 0
+
     def unsynced_fds(self) -> list[int]:
         """Descriptors whose data a sync must cover: sealed segments, then the current one."""
         return self.retired + ([] if self._fd is None else [self._fd])
