@@ -63,15 +63,14 @@ def identify_body(nsqd: Broker) -> bytes:
     opts = nsqd.options
     tcp_port = opts.broadcast_tcp_port or (nsqd.tcp_addresses[0][1] if nsqd.tcp_addresses else 0)
     http_port = opts.broadcast_http_port or (nsqd.http_addresses[0][1] if nsqd.http_addresses else 0)
+    # Go marshals a map: compact, keys sorted; v1.3.0 sends these five
     return json.dumps({
         "version": NSQD_VERSION,
         "tcp_port": tcp_port,
         "http_port": http_port,
         "hostname": socket.gethostname(),
         "broadcast_address": opts.broadcast_address,
-        "topology_zone": opts.topology_zone,
-        "topology_region": opts.topology_region,
-    }).encode()
+    }, separators=(",", ":"), sort_keys=True).encode()
 
 
 def command(verb: str, topic: str, channel: str) -> bytes:

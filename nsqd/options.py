@@ -324,14 +324,16 @@ class Options:
     )
     http_client_connect_timeout: float = _opt("duration", 2.0, "timeout for outgoing HTTP connects")
     http_client_request_timeout: float = _opt("duration", 5.0, "timeout for outgoing HTTP requests")
-    topology_region: str = _opt("str", "", "region of this node, for preferring closer consumers")
-    topology_zone: str = _opt("str", "", "zone of this node, for preferring closer consumers")
+    # newer nsqd's flags: GET /config answers INVALID_OPTION for them, as v1.3.0 does
+    topology_region: str = _opt("str", "", "region of this node, for preferring closer consumers", exposed=False)
+    topology_zone: str = _opt("str", "", "zone of this node, for preferring closer consumers", exposed=False)
     enable_experiments: list[str] = _opt(
         "strs",
         list,
         f"enable an experimental feature (repeatable; valid: {', '.join(EXPERIMENTS)})",
         flag="enable-experiment",
         cfg="enable_experiment",
+        exposed=False,
     )
     config: str = _opt("str", "", "path to a TOML config file", exposed=False)
 
@@ -342,7 +344,8 @@ class Options:
         "<addr>:<port> or full URL of an auth server (repeatable)",
         flag="auth-http-address",
     )
-    auth_http_request_method: str = _opt("str", "get", "HTTP method for auth server requests (get or post)")
+    auth_http_request_method: str = _opt("str", "get", "HTTP method for auth server requests (get or post)",
+                                         exposed=False)
 
     # lookupd
     lookupd_tcp_addresses: list[str] = _opt(

@@ -687,6 +687,8 @@ async def test_config_get(http, opt, body, content_type):
 async def test_config_unknown_option(http):
     assert_error(await http.get("/config/no_such_option"), 400, "INVALID_OPTION")
     assert_error(await http.get("/config/queue_scan_interval"), 400, "INVALID_OPTION")  # not a Go flag field
+    for newer in ("topology_region", "topology_zone", "enable_experiment", "auth_http_request_method"):
+        assert_error(await http.get(f"/config/{newer}"), 400, "INVALID_OPTION")  # flags of nsqd after v1.3.0
 
 
 async def test_config_put_lookupd_addresses(nsqd_server, http):

@@ -15,6 +15,8 @@ class Lookupd:
     def __init__(self):
         self.port = 0
         self.identify: dict | None = None
+        #: the IDENTIFY body as sent
+        self.identify_raw = b""
         self.registrations: set[tuple[str, str]] = set()
         self.commands: list[str] = []
         self.connections = 0
@@ -64,7 +66,8 @@ class Lookupd:
                 verb, *args = cmd.split(" ")
                 if verb == "IDENTIFY":
                     size = struct.unpack(">i", await read(4))[0]
-                    self.identify = json.loads(await read(size))
+                    self.identify_raw = await read(size)
+                    self.identify = json.loads(self.identify_raw)
                     await respond(json.dumps({"tcp_port": self.port, "http_port": 0, "version": "1.3.0",
                                               "broadcast_address": "lookupd", "hostname": "lookupd"}).encode())
                 elif verb == "REGISTER":  # as nsqlookupd, a channel's registration registers its topic too
@@ -96,6 +99,9 @@ async def test_registers_topics_and_channels_and_follows_changes(tmp_path):
             assert lookupd.identify["broadcast_address"] == "node-1"
             assert lookupd.identify["tcp_port"] == tcp_port(nsqd)
             assert lookupd.identify["version"] == "1.3.0"
+            # Go marshals a map of these five: compact, keys sorted
+            assert sorted(lookupd.identify) == ["broadcast_address", "hostname", "http_port", "tcp_port", "version"]
+            assert lookupd.identify_raw == json.dumps(lookupd.identify, separators=(",", ":"), sort_keys=True).encode()
 
             conn = await NSQConnection.open(tcp_port(nsqd))
             await conn.sub("orders", "billing")

@@ -691,14 +691,14 @@ def test_validate_accepts_edges(changes):
 
 # --- GET /config/:opt --------------------------------------------------------
 
-# Go nsqd answers /config/<name> for every option with a flag tag, under its
-# cfg name; everything else is INVALID_OPTION.
+# Go nsqd v1.3.0 answers /config/<name> for every option with a flag tag, under
+# its cfg name; everything else (later nsqd's topology, experiment and auth
+# method flags too) is INVALID_OPTION.
 GO_CONFIG_NAMES = {
     "id", "log_level", "log_prefix", "tcp_address", "http_address",
     "https_address", "broadcast_address", "broadcast_tcp_port",
     "broadcast_http_port", "nsqlookupd_tcp_addresses", "auth_http_addresses",
-    "auth_http_request_method", "http_client_connect_timeout",
-    "http_client_request_timeout", "topology_region", "topology_zone",
+    "http_client_connect_timeout", "http_client_request_timeout",
     "data_path", "mem_queue_size", "max_bytes_per_file", "sync_every",
     "sync_timeout", "queue_scan_selection_count", "queue_scan_worker_pool_max",
     "msg_timeout", "max_msg_timeout", "max_msg_size", "max_body_size",
@@ -711,7 +711,6 @@ GO_CONFIG_NAMES = {
     "e2e_processing_latency_percentiles", "tls_cert", "tls_key",
     "tls_client_auth_policy", "tls_root_ca_file", "tls_required",
     "tls_min_version", "deflate", "max_deflate_level", "snappy",
-    "enable_experiment",
 }  # fmt: skip
 
 
@@ -723,6 +722,10 @@ def test_config_exposes_exactly_nsqds_names():
         "node_id",
         "lookupd_tcp_addresses",
         "enable_experiments",
+        "enable_experiment",
+        "topology_region",
+        "topology_zone",
+        "auth_http_request_method",
         "client_timeout",
         "queue_scan_interval",
         "queue_scan_refresh_interval",
