@@ -414,6 +414,10 @@ class _Connection:
     async def _answer(self, event: h11.Request) -> bool:
         """Call the app and send its answer; False when the connection is to be dropped."""
         target = event.target
+        if target == b"*" and event.method == b"OPTIONS":  # about the server itself: Go's answers it
+            response = Response(200, [], b"")
+            await self._send(self.server.serialise(self.h11, response, close=not self._body_complete()))
+            return True
         if target[:1] != b"/":  # absolute form (as proxies send it): its path, as Go's router takes it
             authority = target.partition(b"://")[2]
             target = b"/" + authority.partition(b"/")[2] if authority else target
@@ -521,6 +525,9 @@ def _refusal(event: h11.Request, max_head_size: int) -> Response | None:
         return error_response(505, "HTTP_VERSION_NOT_SUPPORTED")
     if BAD_ESCAPE.search(event.target.partition(b"?")[0]):  # Go's ParseRequestURI refuses it
         return error_response(400, "BAD_REQUEST")
+    for name, value in event.headers:  # Go's server refuses what it cannot meet, as RFC 9110 allows
+        if name == b"expect" and value.strip().lower() != b"100-continue":
+            return Response(417, [], b"")
     return None
 
 

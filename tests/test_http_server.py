@@ -444,11 +444,11 @@ async def test_targets_are_routed_on_their_decoded_path(daemon):
     await client.send(b"GET /p%69ng HTTP/1.1\r\nHost: x\r\n\r\n"
                       b"POST http://127.0.0.1:4151/pub?topic=t HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\nx"
                       b"GET http://x HTTP/1.1\r\nHost: x\r\n\r\n"
-                      b"OPTIONS * HTTP/1.1\r\nHost: x\r\n\r\n")
+                      b"GET * HTTP/1.1\r\nHost: x\r\n\r\n")
     assert (await client.response()).body == b"OK"
     assert (await client.response()).body == b"OK"
     json_error(await client.response(), 404, "NOT_FOUND")
-    json_error(await client.response(), 404, "NOT_FOUND")
+    json_error(await client.response(), 404, "NOT_FOUND")  # (OPTIONS * is the server's: see below)
     assert topic_depth(daemon, "t") == 1
 
 
@@ -609,3 +609,35 @@ async def test_a_failing_app_is_logged_with_its_traceback_and_the_server_serves_
     failure = next(entry for entry in logs if entry["event"] == "HTTP connection failed")
     assert failure["log_level"] == "error" and failure["exc_info"] is True
     assert calls == ["/bug", "/fine"]
+
+
+async def test_an_expectation_other_than_100_continue_is_refused_with_417_as_go_does(daemon):
+    port = http_port(daemon)
+    response = await exchange(port, b"POST /pub?topic=expect HTTP/1.1\r\nHost: x\r\nExpect: foo\r\n"
+                                    b"Content-Length: 3\r\n\r\nabc")
+    assert (response.status, response.body) == (417, b"")
+    assert response.headers["connection"] == "close"
+    assert topic_depth(daemon, "expect") == 0  # the handler never ran
+    client = await Raw.open(port)
+    try:
+        await client.send(b"POST /pub?topic=expect HTTP/1.1\r\nHost: x\r\nExpect: 100-Continue\r\n"
+                          b"Content-Length: 3\r\n\r\nabc")
+        response = await client.response()
+        while response.status == 100:
+            response = await client.response()
+        assert (response.status, response.body) == (200, b"OK")
+    finally:
+        await client.aclose()
+    assert topic_depth(daemon, "expect") == 1
+
+
+async def test_options_star_asks_about_the_server_and_gets_an_empty_200(daemon):
+    client = await Raw.open(http_port(daemon))
+    try:
+        await client.send(b"OPTIONS * HTTP/1.1\r\nHost: x\r\n\r\nGET /ping HTTP/1.1\r\nHost: x\r\n\r\n")
+        response = await client.response()
+        assert (response.status, response.body, response.headers["content-length"]) == (200, b"", "0")
+        assert "content-type" not in response.headers
+        assert (await client.response()).body == b"OK"  # the connection goes on
+    finally:
+        await client.aclose()
