@@ -631,8 +631,12 @@ class Connection:
                 self._fit_body_reservation()  # a partial body dropped with them gives its room back
             if kind == "tls":
                 stream = tls.TLSStream(self.stream, self.nsqd.tls_context)
-                with trio.fail_after(5):
-                    await stream.do_handshake()
+                try:
+                    with trio.fail_after(5):
+                        await stream.do_handshake()
+                except (ssl.SSLError, trio.TooSlowError, trio.BrokenResourceError) as exc:
+                    await self._refuse_upgrade(tls.handshake_failure(stream, exc))
+                    return
                 for key, value in tls.describe(stream).items():
                     setattr(client, key, value)
                 client.tls = True
@@ -647,6 +651,16 @@ class Connection:
             self._unwatch()
             log.info("connection upgraded", client=client.remote_address, to=kind)
             await self.stream.send_all(_OK)
+
+    async def _refuse_upgrade(self, reason: str) -> None:
+        """A failed TLS handshake: Go's fatal ``E_IDENTIFY_FAILED``, written in plain text, then the end."""
+        log.warning("TLS upgrade failed", client=self.client.remote_address, error=reason)
+        self.protocol.closed = True
+        with trio.move_on_after(1):
+            try:
+                await self.stream.send_all(message.encode_error(b"E_IDENTIFY_FAILED IDENTIFY failed " + reason.encode()))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
 
     async def _authorize(self) -> None:
         client = self.client

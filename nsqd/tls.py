@@ -45,15 +45,62 @@ def server_context(options: Options) -> ssl.SSLContext | None:
     return context
 
 
+#: how Go nsqd v1.3.0's /stats names the TLS versions, and the cipher suites it knows by IANA
+#: number (client_v2.go's prettyConnectionState); any other suite is "Unknown <number>"
+_GO_VERSION_NAMES = {"TLSv1": "TLS1.0", "TLSv1.1": "TLS1.1", "TLSv1.2": "TLS1.2", "TLSv1.3": "TLS1.3"}
+_GO_SUITE_NAMES = {
+    0x0005: "TLS_RSA_WITH_RC4_128_SHA",
+    0x000A: "TLS_RSA_WITH_3DES_EDE_CBC_SHA",
+    0x002F: "TLS_RSA_WITH_AES_128_CBC_SHA",
+    0x0035: "TLS_RSA_WITH_AES_256_CBC_SHA",
+    0xC007: "TLS_ECDHE_ECDSA_WITH_RC4_128_SHA",
+    0xC009: "TLS_ECDHE_ECDSA_WITH_AES_128_CBC_SHA",
+    0xC00A: "TLS_ECDHE_ECDSA_WITH_AES_256_CBC_SHA",
+    0xC011: "TLS_ECDHE_RSA_WITH_RC4_128_SHA",
+    0xC012: "TLS_ECDHE_RSA_WITH_3DES_EDE_CBC_SHA",
+    0xC013: "TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA",
+    0xC014: "TLS_ECDHE_RSA_WITH_AES_256_CBC_SHA",
+    0xC02F: "TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256",
+    0xC02B: "TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256",
+}
+#: OpenSSL's cipher names -> IANA numbers, filled from the contexts in use
+_SUITE_NUMBERS: dict[str, int] = {}
+
+
 def describe(stream) -> dict:
-    """The negotiated TLS parameters of a :class:`TLSStream`, for /stats."""
-    cipher = stream.cipher() or ("", "", 0)
+    """The negotiated TLS parameters of a :class:`TLSStream`, for /stats, named as Go nsqd names them.
+
+    Go's ``NegotiatedProtocolIsMutual`` is always true.
+    """
+    name = (stream.cipher() or ("", "", 0))[0]
+    version = stream.version() or ""
     return {
-        "tls_version": stream.version() or "",
-        "tls_cipher_suite": cipher[0],
+        "tls_version": _GO_VERSION_NAMES.get(version, version),
+        "tls_cipher_suite": _go_suite_name(name, stream.context),
         "tls_negotiated_protocol": stream.selected_alpn_protocol() or "",
-        "tls_negotiated_protocol_is_mutual": bool(stream.selected_alpn_protocol()),
+        "tls_negotiated_protocol_is_mutual": True,
     }
+
+
+def _go_suite_name(name: str, context: ssl.SSLContext) -> str:
+    if name not in _SUITE_NUMBERS:
+        _SUITE_NUMBERS.update((c["name"], c["id"] & 0xFFFF) for c in context.get_ciphers())
+    number = _SUITE_NUMBERS.get(name)
+    if number is None:
+        return name
+    return _GO_SUITE_NAMES.get(number, f"Unknown {number}")
+
+
+def handshake_failure(stream: TLSStream, error: BaseException) -> str:
+    """Why an upgrade failed, as Go's crypto/tls says it where it can (after ``IDENTIFY failed ``)."""
+    head = stream.head
+    if len(head) == 5 and (head[0] not in (0x15, 0x16) or (head[1] << 8 | head[2]) >= 0x1000):
+        return "tls: first record does not look like a TLS handshake"
+    if isinstance(error, trio.TooSlowError):
+        return "i/o timeout"
+    if isinstance(error, ssl.SSLError):
+        return f"tls: {error.reason or error}".lower().replace("_", " ")
+    return "EOF"
 
 
 class TLSStream(trio.abc.Stream):
@@ -73,6 +120,8 @@ class TLSStream(trio.abc.Stream):
         self._incoming = ssl.MemoryBIO()
         self._outgoing = ssl.MemoryBIO()
         self._ssl = context.wrap_bio(self._incoming, self._outgoing, server_side=True)
+        #: the first bytes the peer sent (the first record's header tells a TLS client from anything else)
+        self.head = b""
 
     async def do_handshake(self) -> None:
         while True:
@@ -95,6 +144,8 @@ class TLSStream(trio.abc.Stream):
         data = await self.transport.receive_some(_RECEIVE_SIZE)
         if not data:
             return False
+        if len(self.head) < 5:
+            self.head = (self.head + data)[:5]
         self._incoming.write(data)
         return True
 
@@ -133,6 +184,10 @@ class TLSStream(trio.abc.Stream):
 
     async def aclose(self) -> None:
         await self.transport.aclose()
+
+    @property
+    def context(self) -> ssl.SSLContext:
+        return self._ssl.context
 
     def cipher(self):
         return self._ssl.cipher()

@@ -449,3 +449,51 @@ async def test_an_auth_server_cannot_make_the_daemon_take_endless_events(reply):
     with pytest.raises(http_client.ResponseError):
         with trio.fail_after(5):
             await http_client.exchange(ours, "GET", "/auth", [("Host", "x")])
+
+
+async def tls_client_stats(nsqd, certs, maximum=None, ciphers=None) -> dict:
+    conn = await NSQConnection.open(tcp_port(nsqd))
+    await conn.command("IDENTIFY", json.dumps({"feature_negotiation": True, "tls_v1": True}).encode())
+    await conn.read_frame()
+    context = client_tls_context(certs)
+    if maximum is not None:
+        context.maximum_version = maximum
+    if ciphers is not None:
+        context.set_ciphers(ciphers)
+    conn.stream = trio.SSLStream(conn.stream, context, server_hostname="127.0.0.1")
+    await conn.stream.do_handshake()
+    await conn.expect_response(b"OK")
+    await conn.sub("t", "c")
+    from nsqd import stats
+
+    (client,) = [c for c in stats.snapshot(nsqd).topics[0].channels[0].clients]
+    await conn.close()
+    return {key: getattr(client, key) for key in (
+        "tls_version", "tls_cipher_suite", "tls_negotiated_protocol", "tls_negotiated_protocol_is_mutual")}
+
+
+async def test_tls_clients_in_stats_are_named_as_go_names_them(tmp_path, certs):
+    """Go's /stats says TLS1.2 / TLS1.3, the IANA name of the suites it knows, else "Unknown <number>"."""
+    async with running_nsqd(tmp_path / "d", tls_cert=certs["tls_cert"], tls_key=certs["tls_key"]) as nsqd:
+        described = await tls_client_stats(nsqd, certs)
+        assert described == {"tls_version": "TLS1.3", "tls_cipher_suite": "Unknown 4866",  # TLS_AES_256_GCM_SHA384
+                             "tls_negotiated_protocol": "", "tls_negotiated_protocol_is_mutual": True}
+        nsqd.topics["t"].delete_channel("c")
+        described = await tls_client_stats(nsqd, certs, maximum=ssl.TLSVersion.TLSv1_2,
+                                           ciphers="ECDHE-ECDSA-AES128-GCM-SHA256:ECDHE-RSA-AES128-GCM-SHA256")
+        assert described["tls_version"] == "TLS1.2"
+        assert described["tls_cipher_suite"] in ("TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256",
+                                                 "TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256")
+
+
+async def test_a_tls_upgrade_that_gets_no_handshake_is_answered_e_identify_failed_in_plain_text(tmp_path, certs):
+    async with running_nsqd(tmp_path / "d", tls_cert=certs["tls_cert"], tls_key=certs["tls_key"]) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.command("IDENTIFY", json.dumps({"feature_negotiation": True, "tls_v1": True}).encode())
+        await conn.read_frame()
+        await conn.command("NOP\nNOP")  # not a TLS ClientHello
+        await conn.expect_error("E_IDENTIFY_FAILED IDENTIFY failed tls: first record does not look like a TLS handshake")
+        await conn.expect_closed()
+        await conn.close()
+        conn = await NSQConnection.open(tcp_port(nsqd))  # the daemon serves on
+        await conn.pub("t", b"x")
