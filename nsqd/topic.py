@@ -515,12 +515,15 @@ class Topic:
         self._release_backlog()
 
     def empty(self) -> None:
+        """Drop the topic's own backlog. Records its channels still depend on stay: lent ones,
+        and moved ones not durable in the channels yet (their only disk copy is here)."""
         self._chunks.clear()
         self._mem_count = 0
-        self._lent.clear()
-        self._moving.clear()
         if self.backend is not None:
-            self.backend.empty()
+            if self._lent or self._moving:
+                self.backend.skip_unread()
+            else:
+                self.backend.empty()
         self._room_made()
 
     def shutdown_records(self) -> list[bytes]:

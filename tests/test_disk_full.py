@@ -169,6 +169,43 @@ async def test_a_backlog_that_filled_the_disk_reaches_its_consumers_and_gives_th
             assert await daemon.stop() == 0
 
 
+async def test_emptying_a_topic_keeps_what_it_lent_its_channels_through_a_crash(small_fs):
+    """/topic/empty drops the topic's own backlog, as in Go; the copies it lent its channels on the
+    full disk are the channels' now, and their only disk copy is the topic's records."""
+    http_port = free_port()
+    args = ["--mem-queue-size=0", "--sync-timeout=200ms", f"--http-address=127.0.0.1:{http_port}"]
+    daemon = Daemon(small_fs, *args)
+    await daemon.wait_ready()
+    http = HTTPClient(http_port)
+    try:
+        conn = await NSQConnection.open(daemon.port)
+        confirmed: list[bytes] = []
+        await fill_up(conn, "t", confirmed)
+        assert (await http.post("/channel/create?topic=t&channel=c")).status == 200
+        with trio.fail_after(10):
+            while not (lent := (await http.get("/stats?format=json")).json()["topics"][0]["channels"][0]["depth"]):
+                await trio.sleep(0.1)
+        assert (await http.post("/topic/empty?topic=t")).status == 200
+        await trio.sleep(0.5)  # checkpoints after the empty
+        daemon.proc.kill()
+        await trio.to_thread.run_sync(daemon.proc.wait, 10)
+        daemon = Daemon(small_fs, *args)
+        await daemon.wait_ready()
+        conn = await NSQConnection.open(daemon.port)
+        await conn.sub("t", "c")
+        await conn.command("RDY 300")
+        got = set()
+        with trio.fail_after(30):
+            while len(got) < lent:
+                msg = await conn.read_message()
+                got.add(msg.body)
+                await conn.command(b"FIN " + msg.id)
+        assert got <= set(confirmed) and len(got) >= lent
+    finally:
+        if daemon.proc.poll() is None:
+            assert await daemon.stop() == 0
+
+
 async def test_ping_says_ok_again_once_there_is_room_even_with_nothing_written_since(small_fs):
     """A queue whose last write failed and that then goes quiet kept /ping NOK for good."""
     http_port = free_port()

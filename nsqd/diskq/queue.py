@@ -886,6 +886,15 @@ class DiskQueue:
         self._durable_count = self._put_count
         self._release_waiters(None)
 
+    def skip_unread(self) -> None:
+        """Drop every unread record, keeping the read ones the keeper still holds (:meth:`empty`
+        drops those too); they go at the checkpoints after it lets them go."""
+        self._check_open()
+        self._end_filter()
+        self._reader.skip_to_end()
+        self._depth = 0
+        self._request_checkpoint()
+
     def close(self) -> None:
         """Fsync everything, save the metadata (with the keeper's view), release the files.
 
