@@ -478,17 +478,25 @@ class Broker:
             log.info("channels from nsqlookupd", topic=topic.name, channels=names)
         topic.start()
 
-    def dead_letter(self, topic_name: str, frames: list[bytes]) -> None:
-        """Publish messages a channel gave up on to ``<topic><suffix>``, ids and attempts kept."""
+    def dead_letter(self, topic_name: str, frames: list[bytes]) -> bool:
+        """Publish messages a channel gave up on to ``<topic><suffix>``, ids and attempts kept.
+
+        False when that topic cannot take them now (a full disk, its limit, shutdown): the
+        channel keeps them and tries again.
+        """
         name = topic_name + self.options.dead_letter_suffix
         if topic_name.endswith("#ephemeral") or not is_valid_topic_name(name):
             log.warning("dead letters dropped", topic=topic_name, count=len(frames))
-            return
+            return True
         try:
             self.publish_frames(name, frames)
         except (QueueFull, ChannelExiting, diskq.DiskQueueError) as exc:
-            log.error("dead letters dropped", topic=topic_name, dead_letter_topic=name, count=len(frames),
-                      error=str(exc))
+            if isinstance(exc, diskq.DiskQueueError):
+                self._storage_failed(str(exc))
+            log.error("dead letters kept in their channel until they can be stored", topic=topic_name,
+                      dead_letter_topic=name, count=len(frames), error=str(exc))
+            return False
+        return True
 
     def disk_bytes(self) -> int:
         """Bytes of queued (unread) message records on disk, across every queue."""

@@ -119,7 +119,7 @@ class Channel:
         overrides: dict | None = None,
         clock: Callable[[], int] = lambda: 0,
         lease_timeout_ns: int = 60_000_000_000,
-        dead_letter: Callable[[list[bytes]], None] | None = None,
+        dead_letter: Callable[[list[bytes]], bool] | None = None,
         e2e: LatencyWindow | None = None,
         on_last_consumer_gone: Callable[[Channel], None] | None = None,
     ) -> None:
@@ -165,6 +165,8 @@ class Channel:
         #: disk-backed messages whose attempts or failures changed since their record was written
         self._revised: dict[int, tuple[int, int]] = {}
         self.leases = Leases()
+        #: dead letters the dead-letter topic refused (a full disk): kept, retried by the queue scan
+        self._dead_pending: list[Item] = []
         self.lease_timeout_ns = lease_timeout_ns
         self._notes = _Notes(())
         #: publish-to-FIN latency, when --e2e-processing-latency-percentile is set
@@ -321,7 +323,8 @@ class Channel:
         for holder in [*self.subscriptions.values(), *self.leases]:
             if not ids.isdisjoint(holder.in_flight.map):
                 return True
-        return any(message.frame_id(frame) in ids for _, _, frame, _ in self._deferred)
+        return (any(message.frame_id(frame) in ids for _, _, frame, _ in self._deferred)
+                or any(message.frame_id(frame) in ids for frame, _ in self._dead_pending))
 
     def abort_put(self, put: PendingPut) -> None:
         """Take back what :meth:`prepare_put` wrote (another channel could not take the publish)."""
@@ -636,7 +639,7 @@ class Channel:
         self.requeue_count += 1
         if count_attempt:
             if self._exhausted(frame):
-                self._dead_letter([frame])
+                self._dead_letter([item])
                 return
             frame = message.next_attempt(frame)
             self.count_failure(message.frame_id(frame))
@@ -680,7 +683,7 @@ class Channel:
     def reject(self, item: Item) -> None:
         """A consumer refused a message for good: it goes to the dead-letter topic."""
         self.rejected_count += 1
-        self._dead_letter([item[0]])
+        self._dead_letter([item])
 
     def _exhausted(self, frame: bytes) -> bool:
         """The message has had all the deliveries ``max_attempts`` allows."""
@@ -690,7 +693,7 @@ class Channel:
     def _give_back(self, items: list[Item], *, front: bool = True) -> None:
         """Delivered messages back to the queue (its head unless not ``front``), or to the dead letters."""
         if self.policy.max_attempts:
-            dead = [frame for frame, _ in items if self._exhausted(frame)]
+            dead = [item for item in items if self._exhausted(item[0])]
             if dead:
                 self._dead_letter(dead)
                 items = [item for item in items if not self._exhausted(item[0])]
@@ -701,14 +704,26 @@ class Channel:
             (self._push_front if front else self._push_back)(back)
             self._wake(len(items))
 
-    def _dead_letter(self, frames: list[bytes]) -> None:
-        self.dead_letter_count += len(frames)
+    def _dead_letter(self, items: list[Item]) -> None:
+        self.dead_letter_count += len(items)
         if self.failed or self.released:
-            self.forget([message.frame_id(f) for f in frames])
+            self.forget([message.frame_id(frame) for frame, _ in items])
         if self.dead_letter is None:
-            self.dropped_count += len(frames)
+            self.dropped_count += len(items)
             return
-        self.dead_letter(frames)
+        if not self.dead_letter([frame for frame, _ in items]):
+            self._dead_pending += items
+
+    def retry_dead_letters(self) -> None:
+        """Hand on the dead letters the dead-letter topic could not take (a full disk, its limit).
+
+        Until then the channel keeps them, with their disk records, so a
+        crash brings them back as queued messages rather than losing them.
+        """
+        if self._dead_pending and self.dead_letter is not None:
+            items, self._dead_pending = self._dead_pending, []
+            if not self.dead_letter([frame for frame, _ in items]):
+                self._dead_pending = items
 
     def drop_oldest(self, count_: int) -> None:
         """Make room under the drop-oldest policy: the head of the queue goes first."""
@@ -795,6 +810,8 @@ class Channel:
         if dirty:
             self._wake(self._mem_count)
             self.settled()
+        if self._dead_pending:
+            self.retry_dead_letters()
         return dirty
 
     def _timed_out(self, items: list[Item]) -> None:
@@ -860,6 +877,7 @@ class Channel:
         self.failed.clear()
         self.released.clear()
         self._revised.clear()
+        self._dead_pending.clear()
         if self.backend is not None:
             self.backend.empty()
         self._room_made()
@@ -897,6 +915,10 @@ class Channel:
         for due_ns, _, _, pos in self._deferred:
             if pos is not None:
                 out.append((pos, pos, {"d": due_ns}))
+                held += 1
+        for _, pos in self._dead_pending:
+            if pos is not None:
+                out.append((pos, pos, None))
                 held += 1
         if self._revised:
             out += self._revised_notes(out)
@@ -975,6 +997,8 @@ class Channel:
                 records += [message.to_disk(f, failed=failed.get(i, 0)) for i, f in zip(ids[start:], frames[start:])]
         records += [message.to_disk(f, due_ns=due, failed=failed.get(message.frame_id(f), 0))
                     for due, _, f, pos in sorted(self._deferred) if pos is None]
+        self.retry_dead_letters()  # else they come back queued
+        records += [message.to_disk(f) for f, pos in self._dead_pending if pos is None]
         return records
 
     def _persist_leases(self) -> int:

@@ -76,7 +76,7 @@ class Topic:
         on_channels_changed: Callable[[Topic], None],
         on_backlog: Callable[[Topic], None],
         on_last_channel_gone: Callable[[Topic], None],
-        dead_letter: Callable[[list[bytes]], None] | None = None,
+        dead_letter: Callable[[list[bytes]], bool] | None = None,
         lease_timeout_ns: int = 60_000_000_000,
         e2e: tuple[int, list[float]] | None = None,
         disk_full: Callable[[], bool] = lambda: False,

@@ -206,6 +206,67 @@ async def test_emptying_a_topic_keeps_what_it_lent_its_channels_through_a_crash(
             assert await daemon.stop() == 0
 
 
+@pytest.mark.parametrize("kill", [False, True])
+async def test_dead_letters_the_full_disk_refuses_stay_in_their_channel_until_they_can_go(small_fs, kill):
+    """--max-attempts=1: a REQ sends the message to t.dead, whose disk is full. It stays in its
+    channel (with its record) and goes once there is room; a crash meanwhile brings it back."""
+    http_port = free_port()
+    args = ["--mem-queue-size=0", "--max-attempts=1", "--sync-timeout=200ms", "--queue-scan-interval=50ms",
+            f"--http-address=127.0.0.1:{http_port}"]
+    daemon = Daemon(small_fs, *args)
+    await daemon.wait_ready()
+    http = HTTPClient(http_port)
+    try:
+        for path in ("/topic/create?topic=t", "/channel/create?topic=t&channel=c",
+                     "/topic/create?topic=t.dead", "/channel/create?topic=t.dead&channel=d"):
+            assert (await http.post(path)).status == 200
+        conn = await NSQConnection.open(daemon.port)
+        doomed = [b"doomed-%02d" % i for i in range(50)]
+        await conn.mpub("t", doomed)
+        await fill_up(conn, "t", [])
+        await conn.sub("t", "c")
+        await conn.command("RDY 50")
+        for _ in doomed:
+            msg = await conn.read_message()
+            assert msg.body in doomed
+            await conn.command(b"REQ " + msg.id + b" 0")
+        await trio.sleep(1)
+        stats = (await http.get("/stats?format=json")).json()
+        dead = next(t for t in stats["topics"] if t["topic_name"] == "t.dead")
+        assert dead["channels"][0]["depth"] == 0  # refused by the full disk, and not dropped:
+        grow(small_fs, "64m")
+        if kill:
+            daemon.proc.kill()
+            await trio.to_thread.run_sync(daemon.proc.wait, 10)
+            daemon = Daemon(small_fs, *args)
+            await daemon.wait_ready()
+            conn = await NSQConnection.open(daemon.port)  # back in t:c: refused again, to t.dead now
+            await conn.sub("t", "c")
+            await conn.command("RDY 300")
+            seen = 0
+            with trio.fail_after(30):
+                while seen < len(doomed):
+                    msg = await conn.read_message()
+                    if msg.body in doomed:
+                        seen += 1
+                        await conn.command(b"REQ " + msg.id + b" 0")
+                    else:
+                        await conn.command(b"FIN " + msg.id)
+        consumer = await NSQConnection.open(daemon.port)
+        await consumer.sub("t.dead", "d")
+        await consumer.command("RDY 100")
+        got = set()
+        with trio.fail_after(20):
+            while len(got) < len(doomed):
+                msg = await consumer.read_message()
+                got.add(msg.body)
+                await consumer.command(b"FIN " + msg.id)
+        assert got == set(doomed)
+    finally:
+        if daemon.proc.poll() is None:
+            assert await daemon.stop() == 0
+
+
 async def test_ping_says_ok_again_once_there_is_room_even_with_nothing_written_since(small_fs):
     """A queue whose last write failed and that then goes quiet kept /ping NOK for good."""
     http_port = free_port()
