@@ -909,15 +909,12 @@ class Broker:
         pending: list[tuple[diskq.DiskQueue, list[bytes]]] = []
         saved = failures = 0
         for topic in list(self.topics.values()):
-            for holder in [*topic.channels.values(), topic]:
-                backend = holder.backend
-                if backend is None or backend.closed:
-                    continue
-                try:
-                    pending.append((backend, holder.shutdown_records()))
-                except diskq.DiskQueueError as exc:
-                    log.error("leased messages could not be written at shutdown", queue=backend.name, error=str(exc))
-                    pending.append((backend, []))
+            lent = topic.lent_ids()
+            for channel in topic.channels.values():
+                if channel.backend is not None and not channel.backend.closed:
+                    pending.append((channel.backend, channel.shutdown_records(lent)))
+            if topic.backend is not None and not topic.backend.closed:
+                pending.append((topic.backend, topic.shutdown_records()))
         for attempt in range(SHUTDOWN_RETRIES):
             left = []
             for backend, records in pending:

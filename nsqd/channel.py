@@ -975,45 +975,58 @@ class Channel:
         log.info("leases recovered", channel=self.name, topic=self.topic_name, leases=len(leased),
                  messages=restored)
 
-    def shutdown_records(self) -> list[bytes]:
+    def shutdown_records(self, lent: set[bytes] = frozenset()) -> list[bytes]:
         """Shutdown: the disk records every memory-only message still needs, in delivery order.
 
         Messages that have a record already stay where they are: the final
-        checkpoint keeps them, with their notes. In-flight messages go back
+        checkpoint keeps them, with their notes, and so do those the topic
+        ``lent`` (their records are the topic's). In-flight messages go back
         to the head of the queue first (their delivery counts), then come the
         memory-only part of the queue and of the deferred heap, deferred ones
         with their due times. Leased memory-only messages are written here at
-        once, noted with their lease, so they come back in it.
+        once, noted with their lease, so they come back in it (without it if
+        the disk refuses them: then they are written with the queued ones).
         """
         for sub in list(self.subscriptions.values()):
             self._give_back(sub.in_flight.drain())
-        self._persist_leases()
         failed = self.failed
-        records: list[bytes] = []
+        records = [message.to_disk(f, failed=failed.get(message.frame_id(f), 0)) for f in self._persist_leases()]
         head = self._head
         for index, (ids, frames, positions) in enumerate(self._chunks):
             if positions is None:
                 start = head if index == 0 else 0
-                records += [message.to_disk(f, failed=failed.get(i, 0)) for i, f in zip(ids[start:], frames[start:])]
+                records += [message.to_disk(f, failed=failed.get(i, 0))
+                            for i, f in zip(ids[start:], frames[start:]) if i not in lent]
         records += [message.to_disk(f, due_ns=due, failed=failed.get(message.frame_id(f), 0))
-                    for due, _, f, pos in sorted(self._deferred) if pos is None]
+                    for due, _, f, pos in sorted(self._deferred) if pos is None and message.frame_id(f) not in lent]
         self.retry_dead_letters()  # else they come back queued
         records += [message.to_disk(f) for f, pos in self._dead_pending if pos is None]
         return records
 
-    def _persist_leases(self) -> int:
-        """Leased memory-only messages get records; the final checkpoint notes them with their lease."""
-        written = 0
+    def _persist_leases(self) -> list[bytes]:
+        """Leased memory-only messages get records; the final checkpoint notes them with their lease.
+
+        What the disk refuses (all of a lease's or none) is returned, to be
+        written in steps with the queued messages: the lease is lost, the
+        messages need not be, and the rest of the channel is still written.
+        """
+        refused: list[bytes] = []
         for lease in self.leases:
             items = lease.in_flight.drain()
             memory = [frame for frame, pos in items if pos is None]
-            written_at = self.backend.put_positioned(memory) if memory else []
+            try:
+                written_at = self.backend.put_positioned(memory) if memory else []
+            except DiskQueueError as exc:
+                log.error("leased messages written without their lease at shutdown", channel=self.name,
+                          topic=self.topic_name, lease=lease.name, count=len(memory), error=str(exc))
+                refused += memory
+                lease.restore([item for item in items if item[1] is not None], 0)
+                continue
             self.backend.reserve(written_at)
             positions = iter(written_at)
             items = [(frame, pos if pos is not None else next(positions)) for frame, pos in items]
             lease.restore(items, 0)
-            written += len(memory)
-        return written
+        return refused
 
 
 class _Notes:

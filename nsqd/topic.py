@@ -464,6 +464,10 @@ class Topic:
             if self.backend is not None:
                 self.backend.kept_changed()
 
+    def lent_ids(self) -> set[bytes]:
+        """The messages lent to the channels whose records this topic keeps (none written again at shutdown)."""
+        return set().union(*(lent.ids for lent in self._lent))
+
     def backlog_moved(self) -> None:
         """The channel copies of the moved steps are durable: their topic records may go."""
         self._moving.clear()

@@ -338,6 +338,59 @@ async def test_shutdown_on_a_full_disk_exits_0_and_keeps_what_it_confirmed(small
     assert await daemon.stop() == 0
 
 
+async def test_shutdown_on_a_full_disk_with_a_lease_writes_what_fits_and_counts_the_rest(small_fs):
+    """A lease's messages the disk refuses are written with the queued ones, without their lease:
+    what fits comes back, the rest is counted as lost (they had been skipped, uncounted, with
+    every other message of the channel)."""
+    import re
+
+    from .test_leases import lease_command, lease_consumer_at
+
+    daemon = Daemon(small_fs)  # default flags: everything is in memory until the shutdown
+    await daemon.wait_ready()
+    reader = await lease_consumer_at(daemon.port)
+    bodies = [b"%04d" % i + b"m" * 400 for i in range(400)]
+    await reader.mpub("t", bodies)
+    await lease_command(reader, "LEASE run:1:0")
+    await reader.command("RDY 300")
+    for _ in range(300):
+        await reader.read_message()
+    await reader.command("RDY 0")
+    ballast = small_fs / "ballast"
+    with open(ballast, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    with open(ballast, "r+b") as f:  # room for about a third of them
+        f.truncate(max(ballast.stat().st_size - 64 * 1024, 0))
+    daemon.proc.send_signal(signal.SIGTERM)
+    assert await trio.to_thread.run_sync(daemon.proc.wait, 30) == 0
+    stderr = daemon.proc.stderr.read().decode()
+    assert "leased messages written without their lease" in stderr and "Traceback" not in stderr
+    lost = sum(int(n) for n in re.findall(r"are lost .*?lost=(\d+)", stderr))
+    assert 0 < lost < len(bodies)
+
+    ballast.unlink()
+    daemon = Daemon(small_fs)
+    await daemon.wait_ready()
+    conn = await NSQConnection.open(daemon.port)
+    await conn.sub("t", "c")
+    await conn.command("RDY 500")
+    got = []
+    while True:
+        try:
+            msg = await conn.read_message(timeout=1)
+        except trio.TooSlowError:
+            break
+        got.append(msg.body)
+        await conn.command(b"FIN " + msg.id)
+    assert len(got) == len(bodies) - lost and set(got) <= set(bodies)
+    assert await daemon.stop() == 0
+
+
 async def test_a_big_mpub_the_disk_refuses_part_way_says_how_much_it_stored(small_fs):
     """An MPUB of more than STEP_MESSAGES is stored in steps: a full disk refuses a later step,
     the steps before it stay stored (each all or nothing), and the error says how many."""
