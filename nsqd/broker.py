@@ -445,6 +445,7 @@ class Broker:
                 lease_timeout_ns=int(opts.msg_timeout * 1e9),
                 e2e=e2e,
                 disk_full=self._disk_full if opts.max_disk_bytes else (lambda: False),
+                storage_failed=self._storage_failed,
             )
             self.topics[name] = topic
             log.info("TOPIC created", topic=name)

@@ -80,6 +80,7 @@ class Topic:
         lease_timeout_ns: int = 60_000_000_000,
         e2e: tuple[int, list[float]] | None = None,
         disk_full: Callable[[], bool] = lambda: False,
+        storage_failed: Callable[[str], None] = lambda error: None,
     ) -> None:
         self.name = name
         self.ephemeral = name.endswith("#ephemeral")
@@ -102,6 +103,8 @@ class Topic:
         self._e2e = e2e
         #: the daemon's global disk budget: True while it is used up
         self._disk_full = disk_full
+        #: a write of the channels' copies failed (the daemon's health: /ping says NOK)
+        self._storage_failed = storage_failed
         # backlog kept while there is no channel or the topic is paused
         self._chunks: deque[tuple[list[bytes], list[bytes], int]] = deque()
         self._mem_count = 0
@@ -348,6 +351,7 @@ class Topic:
             try:
                 self._fan_out(ids, frames, False, due_ns)
             except DiskQueueError as exc:  # a full disk: memory-only messages stay in memory
+                self._storage_failed(str(exc))
                 log.error("topic backlog handed on in memory: the disk is full", topic=self.name, error=str(exc))
                 self._fan_out_to_memory(ids, frames, due_ns)
             self._chunks.popleft()
@@ -425,6 +429,7 @@ class Topic:
         none; at most ``LENT_STEPS`` steps are lent at a time.
         """
         if error is not None:
+            self._storage_failed(error)
             if not self._lent:
                 log.error("topic backlog lent to its channels in memory until the disk has room",
                           topic=self.name, error=error)

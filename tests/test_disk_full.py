@@ -267,6 +267,45 @@ async def test_dead_letters_the_full_disk_refuses_stay_in_their_channel_until_th
             assert await daemon.stop() == 0
 
 
+async def test_after_a_restart_on_a_full_disk_reading_gives_the_room_back_before_any_write_fails(small_fs):
+    """Started on a full disk, the daemon has seen no write fail: a queue read to its end must still
+    give its segment back (the disk is nearly full), not only once a publish has failed."""
+    import os
+
+    args = ["--mem-queue-size=0", "--sync-timeout=200ms"]
+    daemon = Daemon(small_fs, *args)
+    await daemon.wait_ready()
+    conn = await NSQConnection.open(daemon.port)
+    await conn.sub("t", "c")
+    confirmed: list[bytes] = []
+    await fill_up(conn, "t", confirmed)
+    daemon.proc.kill()
+    await trio.to_thread.run_sync(daemon.proc.wait, 10)
+
+    def free() -> int:
+        stat = os.statvfs(small_fs)
+        return stat.f_bavail * stat.f_frsize
+
+    assert free() < 64 * 1024
+    daemon = Daemon(small_fs, *args)
+    await daemon.wait_ready()
+    try:
+        conn = await NSQConnection.open(daemon.port)
+        await conn.sub("t", "c")
+        await conn.command("RDY 300")
+        got = set()
+        with trio.fail_after(60):
+            while len(got) < len(confirmed):
+                msg = await conn.read_message()
+                got.add(msg.body)
+                await conn.command(b"FIN " + msg.id)
+        with trio.fail_after(10):
+            while free() < 1 << 20:
+                await trio.sleep(0.1)
+    finally:
+        assert await daemon.stop() == 0
+
+
 async def test_ping_says_ok_again_once_there_is_room_even_with_nothing_written_since(small_fs):
     """A queue whose last write failed and that then goes quiet kept /ping NOK for good."""
     http_port = free_port()

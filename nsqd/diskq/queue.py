@@ -30,6 +30,7 @@ import errno
 import functools
 import math
 import os
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -59,6 +60,9 @@ logger = structlog.get_logger("nsqd.diskq")
 #: read one can go (without this a drained queue kept up to --max-bytes-per-file on disk until
 #: it filled that segment, space a full disk never got back); see :meth:`DiskQueue.seal_if_drained`
 SEAL_DRAINED = 16 << 20
+#: ... and at any size while the file system has less than this free (looked at once a second at
+#: most per queue): a nearly full disk gets its consumers' room back before a write fails
+LOW_SPACE = 64 << 20
 
 #: what a keeper returns: the read records still held (as kept intervals) and how many records they are
 KeptSnapshot = tuple[list[Kept], int]
@@ -180,6 +184,8 @@ class DiskQueue:
         self.recovered_kept: tuple[Kept, ...] = tuple(k for k in state.kept if k[2] is not None)
         self._depth = state.depth - sum(1 for pos in self._reserved if pos >= saved_read)
         self._oldest_segment = state.release_segment
+        #: when the free space of the file system was last looked at (see _low_on_space)
+        self._space_checked_at = -math.inf
         self._release = self._reader.position
         self._segment_sizes: dict[int, int] = {}
         self._recovered_damage = (state.damaged_records, state.damaged_bytes)
@@ -392,9 +398,23 @@ class DiskQueue:
             self._request_checkpoint()
         if len(records) < max_count:
             self._reconcile_depth()
-            if self._writer.end >= SEAL_DRAINED:
+            end = self._writer.end
+            if end >= SEAL_DRAINED:
                 self.seal_if_drained(SEAL_DRAINED)
+            elif end > SEGMENT_HEADER_SIZE and self._low_on_space():
+                self.seal_if_drained(0)
         return records
+
+    def _low_on_space(self) -> bool:
+        now = time.monotonic()
+        if now < self._space_checked_at + 1:
+            return False
+        self._space_checked_at = now
+        try:
+            stat = os.statvfs(self._files.directory)
+        except OSError:
+            return False
+        return stat.f_bavail * stat.f_frsize < LOW_SPACE
 
     def seal_if_drained(self, min_bytes: int = SEAL_DRAINED) -> bool:
         """Start a new segment if everything written was read and the current one holds ``min_bytes``.
