@@ -311,20 +311,23 @@ class Channel:
     def prepare_in_memory(self, ids: list[bytes], frames: list[bytes], due_ns: int = 0) -> PendingPut:
         """A publish kept in memory whatever the bound: copies of a topic's backlog that the
         disk could not take, whose records the topic keeps until this channel lets go of them
-        (:meth:`holds_any`)."""
+        (:meth:`held_of`)."""
         return PendingPut(self, ids, frames, len(frames), None, None, due_ns)
 
-    def holds_any(self, ids: set[bytes]) -> bool:
-        """Whether any of these messages is still here unfinished: queued, in flight, leased or deferred."""
+    def held_of(self, ids: set[bytes]) -> set[bytes]:
+        """Which of these messages are still here unfinished: queued, in flight, leased, deferred
+        or waiting to be dead-lettered."""
+        held: set[bytes] = set()
         head = self._head
         for index, (chunk_ids, _, _) in enumerate(self._chunks):
-            if not ids.isdisjoint(chunk_ids[head:] if index == 0 and head else chunk_ids):
-                return True
+            held |= ids.intersection(chunk_ids[head:] if index == 0 and head else chunk_ids)
         for holder in [*self.subscriptions.values(), *self.leases]:
-            if not ids.isdisjoint(holder.in_flight.map):
-                return True
-        return (any(message.frame_id(frame) in ids for _, _, frame, _ in self._deferred)
-                or any(message.frame_id(frame) in ids for frame, _ in self._dead_pending))
+            held |= ids.intersection(holder.in_flight.map)
+        held.update(msg_id for msg_id in map(message.frame_id, (frame for _, _, frame, _ in self._deferred))
+                    if msg_id in ids)
+        held.update(msg_id for msg_id in map(message.frame_id, (frame for frame, _ in self._dead_pending))
+                    if msg_id in ids)
+        return held
 
     def abort_put(self, put: PendingPut) -> None:
         """Take back what :meth:`prepare_put` wrote (another channel could not take the publish)."""

@@ -40,23 +40,35 @@ log = structlog.get_logger("nsqd.topic")
 #: megabytes at a time, not 2,000 of them in one go
 BACKLOG_STEP = 2000
 BACKLOG_STEP_BYTES = 4 * 1024 * 1024
-#: steps of the disk backlog lent to the channels' memory at most while the disk cannot take copies
-LENT_STEPS = 4
+#: messages of the disk backlog lent to the channels' memory at most while the disk cannot take copies
+LENT_LIMIT = 4 * BACKLOG_STEP
 #: nanoseconds between tries at writing the channels' copies again while lending
 LEND_RETRY_NS = 1_000_000_000
 
 
 class _Lent:
-    """A step of the topic's disk backlog handed to the channels in memory: its records stay
-    in the topic's queue until no channel that got it still holds one of its messages."""
+    """A step of the topic's disk backlog handed to the channels in memory: each record stays
+    in the topic's queue until no channel that got its message still holds it."""
 
-    __slots__ = ("kept", "count", "ids", "channels")
+    __slots__ = ("records", "ids", "kept", "channels")
 
-    def __init__(self, kept: list[tuple[int, int, None]], ids: set[bytes], channels: list[Channel]) -> None:
-        self.kept = kept
-        self.count = len(ids)
-        self.ids = ids
+    def __init__(self, records: list[tuple[bytes, int, int]], channels: list[Channel]) -> None:
         self.channels = channels
+        self.keep(records)
+
+    def keep(self, records: list[tuple[bytes, int, int]]) -> None:
+        """Hold these (id, position, length) records, in position order; neighbours share an interval."""
+        self.records = records
+        self.ids = {msg_id for msg_id, _, _ in records}
+        kept: list[tuple[int, int, None]] = []
+        end = -1  # where the last kept record ends: a record starting there extends its interval
+        for _, pos, length in records:
+            if pos == end:
+                kept[-1] = (kept[-1][0], pos, None)
+            else:
+                kept.append((pos, pos, None))
+            end = pos + RECORD_HEADER_SIZE + length
+        self.kept = kept
 
 
 class QueueFull(Exception):
@@ -372,7 +384,7 @@ class Topic:
         self.stalled = False
         if self._lent:
             self._finish_lent()
-            if len(self._lent) >= LENT_STEPS:  # the consumers have not finished what was lent yet
+            if sum(len(lent.ids) for lent in self._lent) >= LENT_LIMIT:  # not finished yet
                 self.stalled = True
                 return True, []
         durable = self.policy.durable
@@ -423,10 +435,10 @@ class Topic:
 
         Without this a backlog the topic kept on a full disk could never
         reach a consumer (its copy needs room the disk lacks, and only the
-        consumers reading it would make room). The records stay in the
-        topic's queue, kept, until no channel holds one of the messages
+        consumers reading it would make room). Each record stays in the
+        topic's queue, kept, until no channel holds its message
         (:meth:`_finish_lent`), so a crash delivers them again and loses
-        none; at most ``LENT_STEPS`` steps are lent at a time.
+        none; at most ``LENT_LIMIT`` messages are lent at a time.
         """
         if error is not None:
             self._storage_failed(error)
@@ -435,37 +447,34 @@ class Topic:
                           topic=self.name, error=error)
             self._write_retry_ns = self.clock() + LEND_RETRY_NS
         items = sorted(items, key=lambda item: item[2])
-        kept: list[tuple[int, int, None]] = []
-        end = -1  # where the last kept record ends: a record starting there extends its interval
-        for _, _, pos, length in items:
-            if pos == end:
-                kept[-1] = (kept[-1][0], pos, None)
-            else:
-                kept.append((pos, pos, None))
-            end = pos + RECORD_HEADER_SIZE + length
         for frame, due_ns, _, _ in items:
             if due_ns:
                 self._fan_out_to_memory([message.frame_id(frame)], [frame], due_ns)
         frames = [item[0] for item in items if not item[1]]
-        ids = list(map(message.frame_id_of, frames))
         if frames:
-            self._fan_out_to_memory(ids, frames, 0)
-        self._lent.append(_Lent(kept, set(map(message.frame_id_of, [item[0] for item in items])),
+            self._fan_out_to_memory(list(map(message.frame_id_of, frames)), frames, 0)
+        self._lent.append(_Lent([(message.frame_id(frame), pos, length) for frame, _, pos, length in items],
                                 list(self.channels.values())))
-        self.stalled = len(self._lent) >= LENT_STEPS
+        self.stalled = sum(len(lent.ids) for lent in self._lent) >= LENT_LIMIT
 
     def _fan_out_to_memory(self, ids: list[bytes], frames: list[bytes], due_ns: int) -> None:
         for channel in self.channels.values():
             channel.commit_put(channel.prepare_in_memory(ids, frames, due_ns))
 
     def _finish_lent(self) -> None:
-        """Let go of the lent steps no channel holds a message of any more (their records may go)."""
+        """Let go of the lent records whose messages no channel holds any more (they may go)."""
         channels = self.channels
-        still = [lent for lent in self._lent
-                 if any(channels.get(channel.name) is channel and channel.holds_any(lent.ids)
-                        for channel in lent.channels)]
-        if len(still) != len(self._lent):
-            self._lent = still
+        changed = False
+        for lent in self._lent:
+            held: set[bytes] = set()
+            for channel in lent.channels:
+                if channels.get(channel.name) is channel:
+                    held |= channel.held_of(lent.ids)
+            if len(held) < len(lent.ids):
+                lent.keep([record for record in lent.records if record[0] in held])
+                changed = True
+        if changed:
+            self._lent = [lent for lent in self._lent if lent.records]
             if self.backend is not None:
                 self.backend.kept_changed()
 
@@ -482,7 +491,7 @@ class Topic:
         count = 0
         for lent in self._lent:
             kept += lent.kept
-            count += lent.count
+            count += len(lent.records)
         return kept, count
 
     # -------------------------------------------------------------- admin
