@@ -776,6 +776,8 @@ class Broker:
                 topic_name, _, channel_name = queue_name.partition(":")
                 if not is_valid_topic_name(topic_name) or (channel_name and not is_valid_channel_name(channel_name)):
                     continue
+                if topic_name.endswith("#ephemeral"):  # never kept across a restart, as in Go nsqd
+                    continue
                 topic = self.get_topic(topic_name)
                 if channel_name:
                     topic.get_channel(channel_name)

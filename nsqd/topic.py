@@ -122,6 +122,8 @@ class Topic:
         self._mem_count = 0
         #: records read from the backend whose channel copies are not durable yet (kept meanwhile)
         self._moving: list[tuple[int, int, None]] = []
+        #: the records those intervals hold
+        self._moving_count = 0
         #: steps of the disk backlog the channels hold in memory because their disks could not
         #: take copies (a full disk); see :meth:`_lend`
         self._lent: list[_Lent] = []
@@ -426,6 +428,7 @@ class Topic:
         queues: list[DiskQueue] = []
         if durable and done:
             self._moving.append((min(done), max(done), None))
+            self._moving_count += len(done)
             queues = [c.backend for c in self.channels.values() if c.backend is not None]
         more = bool(self.backend is not None and self.backend.depth) or bool(self._lent)
         return more, queues
@@ -485,10 +488,11 @@ class Topic:
     def backlog_moved(self) -> None:
         """The channel copies of the moved steps are durable: their topic records may go."""
         self._moving.clear()
+        self._moving_count = 0
 
     def _kept(self) -> tuple[list, int]:
         kept = list(self._moving)
-        count = 0
+        count = self._moving_count  # they count: a restart delivers them again (else its depth fell short)
         for lent in self._lent:
             kept += lent.kept
             count += len(lent.records)

@@ -7,7 +7,7 @@ import pytest
 import trio
 
 from .conftest import HTTPClient
-from .support import Daemon, NSQConnection, running_nsqd, tcp_port
+from .support import Daemon, NSQConnection, free_port, running_nsqd, tcp_port
 from .test_bounded_memory import Subprocess
 
 
@@ -292,3 +292,63 @@ async def test_a_pause_or_a_policy_answered_200_survives_a_sigkill_at_once(tmp_p
         assert channel["max_attempts"] == 3, channel
     finally:
         daemon.stop()
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05, 0.15])
+async def test_a_durable_backlog_being_handed_to_its_channels_survives_a_crash(tmp_path, delay):
+    """Unpausing a durable topic moves its backlog to the channels in steps; a step's records
+    stay until the channels' copies are synced. A crash then brings them back, and they count
+    in the queue's depth (else the backlog mover stopped short and left them unread)."""
+    http_port = free_port()
+    args = ["--durable", "--sync-timeout=100ms", f"--http-address=127.0.0.1:{http_port}"]
+    daemon = Daemon(tmp_path, *args)
+    await daemon.wait_ready()
+    http = HTTPClient(http_port)
+    for path in ("/topic/create?topic=t", "/channel/create?topic=t&channel=a",
+                 "/channel/create?topic=t&channel=b", "/topic/pause?topic=t"):
+        assert (await http.post(path)).status == 200
+    conn = await NSQConnection.open(daemon.port)
+    bodies = [b"m-%05d" % i for i in range(12_000)]
+    for start in range(0, len(bodies), 1000):
+        await conn.mpub("t", bodies[start:start + 1000])
+    assert (await http.post("/topic/unpause?topic=t")).status == 200
+    await trio.sleep(delay)
+    daemon.proc.kill()
+    await trio.to_thread.run_sync(daemon.proc.wait, 10)
+    daemon = Daemon(tmp_path, *args)
+    await daemon.wait_ready()
+    try:
+        for channel in ("a", "b"):
+            consumer = await NSQConnection.open(daemon.port)
+            await consumer.sub("t", channel)
+            await consumer.command("RDY 500")
+            got = set()
+            with trio.fail_after(30):
+                while len(got) < len(bodies):
+                    msg = await consumer.read_message()
+                    got.add(msg.body)
+                    await consumer.command(b"FIN " + msg.id)
+            assert got == set(bodies)
+    finally:
+        assert await daemon.stop() == 0
+
+
+async def test_an_ephemeral_topic_does_not_come_back_after_a_crash(tmp_path):
+    """Its non-ephemeral channel has a disk queue, which nsqd.dat never lists: not adopted."""
+    http_port = free_port()
+    args = ["--mem-queue-size=0", f"--http-address=127.0.0.1:{http_port}"]
+    daemon = Daemon(tmp_path, *args)
+    await daemon.wait_ready()
+    conn = await NSQConnection.open(daemon.port)
+    await conn.sub("et#ephemeral", "c")
+    await conn.mpub("et#ephemeral", [b"x"] * 100)
+    await trio.sleep(0.3)
+    daemon.proc.kill()
+    await trio.to_thread.run_sync(daemon.proc.wait, 10)
+    daemon = Daemon(tmp_path, *args)
+    await daemon.wait_ready()
+    try:
+        stats = (await HTTPClient(http_port).get("/stats?format=json")).json()
+        assert [t["topic_name"] for t in stats["topics"]] == []
+    finally:
+        assert await daemon.stop() == 0
