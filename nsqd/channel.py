@@ -71,6 +71,11 @@ _PLAIN = {message.PLAIN_KIND}
 IN_FLIGHT_NOTE = {"i": 1}
 #: records read per step when a recovered channel takes its leases back
 _RESTORE_STEP = 512
+#: deferred records read back before they are due are remembered by position and left where they
+#: are, up to this many per channel (about 80 bytes each); past it they are written again behind,
+#: with their due time. Rewriting each one a take read cost writes, and a crash before the next
+#: checkpoint brought back both copies
+DEFERRED_INDEX = 100_000
 #: small publishes (single PUBs) are appended to the last chunk up to this size, so a queue of
 #: single messages is a few hundred chunks, not thousands (cheaper takes and checkpoints)
 COALESCE = 64
@@ -152,6 +157,8 @@ class Channel:
         #: as depth, until it does (as nsqd moves a due message to the queue), when hungry consumers
         #: are woken to read them. Their due times as a count per time and a heap of those times
         self._deferred_on_disk = 0
+        #: deferred records read back before they were due, left on disk: (due, seq, position)
+        self._deferred_index: list[tuple[int, int, int]] = []
         self._disk_due: dict[int, int] = {}
         self._disk_due_times: list[int] = []
         self._seq = count()
@@ -211,7 +218,7 @@ class Channel:
 
     @property
     def deferred_count(self) -> int:
-        return len(self._deferred) + self._deferred_on_disk
+        return len(self._deferred) + len(self._deferred_index) + self._deferred_on_disk
 
     # -------------------------------------------------------- subscriptions
     def subscribe(self, consumer: Consumer, sub_id: int, budget: Budget, *, msg_timeout_ns: int,
@@ -755,6 +762,9 @@ class Channel:
                 self.failed.pop(message.frame_id(frame), None)
             return
         if len(self._deferred) >= max(self.mem_queue_size, 1) and backend is not None:
+            if pos is not None and len(self._deferred_index) < DEFERRED_INDEX:  # its record stays
+                heapq.heappush(self._deferred_index, (due_ns, next(self._seq), pos))
+                return
             failed = self.failed.pop(message.frame_id(frame), 0) if self.failed else 0
             try:
                 backend.put(message.to_disk(frame, due_ns=due_ns, failed=failed))
@@ -834,18 +844,54 @@ class Channel:
         if disk_due:
             self._wake(disk_due)
         deferred = self._deferred
-        if not deferred or deferred[0][0] > now_ns:
+        index = self._deferred_index
+        if (not deferred or deferred[0][0] > now_ns) and (not index or index[0][0] > now_ns):
             return bool(disk_due)
         due: list[Item] = []
         while deferred and deferred[0][0] <= now_ns:
             _, _, frame, pos = heapq.heappop(deferred)
             due.append((frame, pos))
+        if index and index[0][0] <= now_ns:
+            due += self._read_indexed(now_ns)
         for ids, frames, positions in pieces(due):
             self._chunks.append((ids, frames, positions))
             self._mem_count += len(ids)
             self._mem_bytes += sum(map(len, frames))
         self._wake(self._mem_count)
         return True
+
+    def _read_indexed(self, now_ns: int) -> list[Item]:
+        """The indexed deferred records due by ``now_ns``, read back, with the attempts and failures
+        they had when they were deferred (kept as revisions of their records)."""
+        index = self._deferred_index
+        positions: list[int] = []
+        while index and index[0][0] <= now_ns:
+            positions.append(heapq.heappop(index)[2])
+        try:
+            payloads = self.backend.read_at(positions)
+        except DiskQueueError as exc:
+            log.error("cannot read deferred messages back", channel=self.name, topic=self.topic_name,
+                      error=str(exc))
+            return []
+        items: list[Item] = []
+        for pos, payload in zip(positions, payloads):
+            try:
+                if payload is None:
+                    raise message.BadRecord("no valid record at its position")
+                frame, _, failed = message.from_disk(payload)
+            except message.BadRecord as exc:
+                self.dropped_count += 1
+                log.error("deferred message lost on disk", channel=self.name, topic=self.topic_name,
+                          error=str(exc))
+                continue
+            revised = self._revised.get(pos)
+            if revised is not None:
+                frame = message.with_attempts(frame, revised[0])
+                failed = revised[1]
+            if failed:
+                self.failed[message.frame_id(frame)] = failed
+            items.append((frame, pos))
+        return items
 
     # ------------------------------------------------------------- admin
     def set_policy(self, policy: ChannelPolicy, overrides: dict | None = None) -> None:
@@ -871,6 +917,7 @@ class Channel:
         self._head = 0
         self._mem_count = self._mem_bytes = 0
         self._deferred.clear()
+        self._deferred_index.clear()
         self._deferred_on_disk = 0
         self._disk_due.clear()
         self._disk_due_times.clear()
@@ -919,6 +966,9 @@ class Channel:
             if pos is not None:
                 out.append((pos, pos, {"d": due_ns}))
                 held += 1
+        for due_ns, _, pos in self._deferred_index:
+            out.append((pos, pos, {"d": due_ns}))
+        held += len(self._deferred_index)
         for _, pos in self._dead_pending:
             if pos is not None:
                 out.append((pos, pos, None))

@@ -199,8 +199,10 @@ class ClientV2:
         taken = len(out) - before
         if waited and taken:
             self.flush_now = True  # held long enough already
-        if 0 < taken < free and sub.taken_bytes >= FILL_BYTES:
-            self.on_wake()  # cut short by FILL_BYTES: the writer comes back once these are written
+        if taken < free and sub.taken_bytes >= FILL_BYTES:
+            # cut short by FILL_BYTES: the writer comes back once these are written (also when the
+            # bytes read were all deferred records set aside: messages may wait behind them)
+            self.on_wake()
 
     def unsubscribe(self) -> None:
         """The connection is over: in-flight messages go back to the channel."""

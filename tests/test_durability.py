@@ -352,3 +352,59 @@ async def test_an_ephemeral_topic_does_not_come_back_after_a_crash(tmp_path):
         assert [t["topic_name"] for t in stats["topics"]] == []
     finally:
         assert await daemon.stop() == 0
+
+
+async def test_deferred_records_read_before_they_are_due_stay_put_and_a_crash_brings_each_back_once(tmp_path):
+    """--mem-queue-size=0: DPUBs are on disk. After a restart a consumer's take reads them before
+    they are due; they are remembered where they are, not written again behind (a crash before
+    the next checkpoint then brought back both copies, in flight together)."""
+    args = ["--mem-queue-size=0"]
+    daemon = Daemon(tmp_path, *args)
+    await daemon.wait_ready()
+    conn = await NSQConnection.open(daemon.port)
+    await conn.sub("t", "c")  # the channel's own records (not a topic backlog to move)
+    conn = await NSQConnection.open(daemon.port)
+    for i in range(300):
+        await conn.command(b"DPUB t 3000", b"d-%03d" % i)
+        await conn.expect_response(b"OK")
+    await daemon.stop(signal.SIGKILL)
+    daemon = Daemon(tmp_path, *args)
+    await daemon.wait_ready()
+    consumer = await NSQConnection.open(daemon.port)
+    await consumer.sub("t", "c")
+    await consumer.command("RDY 300")  # its take reads all 300, none due yet
+    await trio.sleep(0.3)
+    await daemon.stop(signal.SIGKILL)  # before the next checkpoint (--sync-timeout 2 s)
+    daemon = Daemon(tmp_path, *args)
+    await daemon.wait_ready()
+    try:
+        consumer = await NSQConnection.open(daemon.port)
+        await consumer.sub("t", "c")
+        await consumer.command("RDY 600")
+        seen = []
+        with trio.move_on_after(6):
+            while True:
+                kind, data = await consumer.read_non_heartbeat()
+                assert kind == 2, data  # (a second copy's FIN failed: ID not in flight)
+                seen.append(data[26:])
+                await consumer.command(b"FIN " + data[10:26])
+        assert sorted(seen) == [b"d-%03d" % i for i in range(300)]  # each once
+    finally:
+        assert await daemon.stop() == 0
+
+
+async def test_a_message_behind_many_deferred_records_is_delivered_at_once(tmp_path):
+    """A take stops after 1 MiB read; when all of it was deferred records not yet due, the
+    consumer comes back for the rest at once (it waited for the next heartbeat)."""
+    async with running_nsqd(tmp_path, mem_queue_size=0) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        consumer = await NSQConnection.open(tcp_port(nsqd))
+        await consumer.sub("t", "c")
+        for i in range(6000):
+            await conn.command(b"DPUB t 3600000", b"%06d" % i + b"." * 300)
+        for _ in range(6000):
+            await conn.expect_response(b"OK")
+        await conn.pub("t", b"now")
+        await consumer.command("RDY 100")
+        msg = await consumer.read_message(timeout=5)
+        assert msg.body == b"now"
