@@ -150,6 +150,21 @@ class NSQConnection:
         await self.expect_response()
 
 
+async def consume_distinct(port: int, topic: str, channel: str, count: int, *, rdy: int = 300,
+                           timeout: float = 30) -> set[bytes]:
+    """Subscribe on a new connection and FIN until ``count`` distinct bodies arrived; returns them."""
+    conn = await NSQConnection.open(port)
+    await conn.sub(topic, channel)
+    await conn.command(f"RDY {rdy}")
+    got: set[bytes] = set()
+    with trio.fail_after(timeout):
+        while len(got) < count:
+            msg = await conn.read_message()
+            got.add(msg.body)
+            await conn.command(b"FIN " + msg.id)
+    return got
+
+
 def mpub_body(bodies: list[bytes]) -> bytes:
     return struct.pack(">i", len(bodies)) + b"".join(struct.pack(">i", len(b)) + b for b in bodies)
 

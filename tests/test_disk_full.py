@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from .conftest import HTTPClient
-from .support import Daemon, NSQConnection, free_port, mpub_body
+from .support import Daemon, NSQConnection, consume_distinct, free_port, mpub_body
 
 
 @pytest.fixture
@@ -196,15 +196,7 @@ async def test_emptying_a_topic_keeps_what_it_lent_its_channels_through_a_crash(
         await trio.to_thread.run_sync(daemon.proc.wait, 10)
         daemon = Daemon(small_fs, *args)
         await daemon.wait_ready()
-        conn = await NSQConnection.open(daemon.port)
-        await conn.sub("t", "c")
-        await conn.command("RDY 300")
-        got = set()
-        with trio.fail_after(30):
-            while len(got) < lent:
-                msg = await conn.read_message()
-                got.add(msg.body)
-                await conn.command(b"FIN " + msg.id)
+        got = await consume_distinct(daemon.port, "t", "c", lent)
         assert got <= set(confirmed) and len(got) >= lent
     finally:
         if daemon.proc.poll() is None:
@@ -257,16 +249,7 @@ async def test_dead_letters_the_full_disk_refuses_stay_in_their_channel_until_th
                         await conn.command(b"REQ " + msg.id + b" 0")
                     else:
                         await conn.command(b"FIN " + msg.id)
-        consumer = await NSQConnection.open(daemon.port)
-        await consumer.sub("t.dead", "d")
-        await consumer.command("RDY 100")
-        got = set()
-        with trio.fail_after(20):
-            while len(got) < len(doomed):
-                msg = await consumer.read_message()
-                got.add(msg.body)
-                await consumer.command(b"FIN " + msg.id)
-        assert got == set(doomed)
+        assert await consume_distinct(daemon.port, "t.dead", "d", len(doomed), timeout=20) == set(doomed)
     finally:
         if daemon.proc.poll() is None:
             assert await daemon.stop() == 0
@@ -295,15 +278,7 @@ async def test_after_a_restart_on_a_full_disk_reading_gives_the_room_back_before
     daemon = Daemon(small_fs, *args)
     await daemon.wait_ready()
     try:
-        conn = await NSQConnection.open(daemon.port)
-        await conn.sub("t", "c")
-        await conn.command("RDY 300")
-        got = set()
-        with trio.fail_after(60):
-            while len(got) < len(confirmed):
-                msg = await conn.read_message()
-                got.add(msg.body)
-                await conn.command(b"FIN " + msg.id)
+        assert await consume_distinct(daemon.port, "t", "c", len(confirmed), timeout=60) == set(confirmed)
         with trio.fail_after(10):
             while free() < 1 << 20:
                 await trio.sleep(0.1)

@@ -7,7 +7,7 @@ import pytest
 import trio
 
 from .conftest import HTTPClient
-from .support import Daemon, NSQConnection, free_port, running_nsqd, tcp_port
+from .support import Daemon, NSQConnection, consume_distinct, free_port, running_nsqd, tcp_port
 from .test_bounded_memory import Subprocess
 
 
@@ -319,16 +319,7 @@ async def test_a_durable_backlog_being_handed_to_its_channels_survives_a_crash(t
     await daemon.wait_ready()
     try:
         for channel in ("a", "b"):
-            consumer = await NSQConnection.open(daemon.port)
-            await consumer.sub("t", channel)
-            await consumer.command("RDY 500")
-            got = set()
-            with trio.fail_after(30):
-                while len(got) < len(bodies):
-                    msg = await consumer.read_message()
-                    got.add(msg.body)
-                    await consumer.command(b"FIN " + msg.id)
-            assert got == set(bodies)
+            assert await consume_distinct(daemon.port, "t", channel, len(bodies), rdy=500) == set(bodies)
     finally:
         assert await daemon.stop() == 0
 
