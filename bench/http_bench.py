@@ -41,16 +41,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+from nsq_bench import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 TOPIC = "http_bench"
 _CONTENT_LENGTH = re.compile(rb"(?i)\r\ncontent-length: *([0-9]+)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def process_cpu(pid: int) -> float:

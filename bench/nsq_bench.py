@@ -506,10 +506,34 @@ def machine_busy() -> float:
     return (sum(ticks) - ticks[3] - ticks[4]) / CLK_TCK
 
 
+def _ports_outside_ephemeral_range() -> range:
+    """Ports no outgoing connection is given, so none can take a daemon's port before it listens."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(10000, low) if low - 10000 >= 4096 else range(high + 1, 65536)
+
+
+_PORTS = _ports_outside_ephemeral_range()
+_next_port = _PORTS.start + (os.getpid() * 7919) % len(_PORTS)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, outside the ephemeral range, never the same twice in one process."""
+    global _next_port
+    for _ in range(len(_PORTS)):
+        port, _next_port = _next_port, _next_port + 1
+        if _next_port >= _PORTS.stop:
+            _next_port = _PORTS.start
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError("no free port outside the ephemeral range")
 
 
 def wait_for_port(address, proc, log_path, timeout=20.0) -> None:

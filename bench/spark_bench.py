@@ -55,11 +55,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from nsq_bench import free_port  # noqa: E402
 
 
 def spawn_daemon(data: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:

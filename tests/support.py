@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import struct
@@ -169,10 +170,37 @@ def mpub_body(bodies: list[bytes]) -> bytes:
     return struct.pack(">i", len(bodies)) + b"".join(struct.pack(">i", len(b)) + b for b in bodies)
 
 
+def _ports_outside_ephemeral_range() -> range:
+    """Ports no outgoing connection is given: a port the kernel hands out for ``bind(0)`` is in the
+    ephemeral range, where any ``connect`` (this suite's own, or a poll of the port itself, which
+    can connect to itself) may take it before the daemon we start listens there."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(10000, low) if low - 10000 >= 4096 else range(high + 1, 65536)
+
+
+_PORTS = _ports_outside_ephemeral_range()
+_next_port = _PORTS.start + (os.getpid() * 7919) % len(_PORTS)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a daemon this suite starts: free now, outside the ephemeral range, and never the
+    same twice in one test process."""
+    global _next_port
+    for _ in range(len(_PORTS)):
+        port, _next_port = _next_port, _next_port + 1
+        if _next_port >= _PORTS.stop:
+            _next_port = _PORTS.start
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError("no free port outside the ephemeral range")
 
 
 class Daemon:
