@@ -956,10 +956,14 @@ class Channel:
                 out.append((positions[start], positions[-1], None))
             else:
                 out += [(pos, pos, None) for pos in positions[start:]]
+        refine = False
         for sub in self.subscriptions.values():
             runs, n = sub.in_flight.kept(IN_FLIGHT_NOTE)
             out += runs
             held += n
+            refine = refine or sub.in_flight.refine_later
+        if refine:  # batches kept whole this time, finished in part maybe: only their rest next time
+            self.backend.kept_changed()
         runs, _ = self.leases.kept()  # not counted: reserved records are never read back
         out += runs
         for due_ns, _, _, pos in self._deferred:

@@ -27,7 +27,7 @@ Item = tuple[bytes, "int | None"]
 class Delivery:
     """Messages sent to one holder in one batch; they share a deadline."""
 
-    __slots__ = ("deadline", "delivered_at", "ids", "frames", "positions", "_index")
+    __slots__ = ("deadline", "delivered_at", "ids", "frames", "positions", "noted", "_index")
 
     def __init__(self, deadline: int, delivered_at: int, ids: list[bytes], frames: list[bytes],
                  positions: list[int] | tuple[int, ...] | None) -> None:
@@ -36,6 +36,8 @@ class Delivery:
         self.ids = ids
         self.frames = frames
         self.positions = positions
+        #: a checkpoint kept it whole once (see :meth:`InFlight.kept`)
+        self.noted = False
         self._index: dict[bytes, int] | None = None
 
     def locate(self, msg_id: bytes) -> int:
@@ -56,12 +58,14 @@ class Delivery:
 class InFlight:
     """Messages delivered to one holder and not yet finished, in deadline order."""
 
-    __slots__ = ("map", "deliveries")
+    __slots__ = ("map", "deliveries", "refine_later")
 
     def __init__(self) -> None:
         self.map: dict[bytes, Delivery] = {}
         #: the deliveries made, oldest first; those with nothing left in flight are dropped by :meth:`kept`
         self.deliveries: list[Delivery] = []
+        #: the last :meth:`kept` kept a batch whole for the first time: the next one should look again
+        self.refine_later = False
 
     def __len__(self) -> int:
         return len(self.map)
@@ -141,17 +145,22 @@ class InFlight:
         """Disk intervals of the deliveries that still have a message in flight, with ``note``.
 
         A delivery whose messages are neighbours on disk (``positions`` is a
-        list) is one interval, even when some of its messages were finished
-        already: after a crash those come back too (at-least-once), and the
-        snapshot stays a few entries per delivery instead of one per message.
-        Scattered messages (``positions`` a tuple), or every message with
-        ``singles``, are one interval each. Returns the intervals and how many
-        messages they cover.
+        list) is one interval at the first checkpoint that sees it, even when
+        some of its messages were finished already (most deliveries are
+        finished before the next one, and the snapshot stays one entry per
+        delivery; ``refine_later`` then asks for another checkpoint); from the
+        next checkpoint on only its unfinished messages are kept, as runs of
+        neighbours, so a consumer holding one message of a batch does not make
+        a crash deliver the rest again. Scattered
+        messages (``positions`` a tuple), or every message with ``singles``,
+        are one interval each. Returns the intervals and how many messages
+        they cover.
         """
         out: list[tuple[int, int, object]] = []
         count = 0
         finished = self.map.keys().isdisjoint
         live: list[Delivery] = []
+        self.refine_later = False
         for delivery in self.deliveries:
             if finished(delivery.ids):
                 continue  # every message of it is finished: forget it
@@ -164,11 +173,33 @@ class InFlight:
                         if self.map.get(msg_id) is delivery]
                 out += held
                 count += len(held)
+            elif delivery.noted:
+                count += _live_runs(delivery, self.map, note, out)
             else:
+                delivery.noted = True
+                self.refine_later = True
                 out.append((positions[0], positions[-1], note))
                 count += len(positions)
         self.deliveries = live
         return out, count
+
+
+def _live_runs(delivery: Delivery, live: dict[bytes, Delivery], note: object, out: list) -> int:
+    """Runs of neighbouring messages of ``delivery`` still in flight in it, as intervals; returns their count."""
+    positions = delivery.positions
+    count = 0
+    start = -1
+    for index, msg_id in enumerate(delivery.ids):
+        if live.get(msg_id) is delivery:
+            count += 1
+            if start < 0:
+                start = index
+        elif start >= 0:
+            out.append((positions[start], positions[index - 1], note))
+            start = -1
+    if start >= 0:
+        out.append((positions[start], positions[-1], note))
+    return count
 
 
 def pieces(items: list[Item]) -> list[tuple[list[bytes], list[bytes], tuple[int, ...] | None]]:

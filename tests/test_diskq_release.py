@@ -1,6 +1,7 @@
 """Reading does not release: a keeper's records survive a restart or a crash, the rest do not come back."""
 
 import trio
+from structlog.testing import capture_logs
 
 from nsqd.diskq import DiskQueue
 from nsqd.diskq.records import SEGMENT_HEADER_SIZE
@@ -161,4 +162,60 @@ def test_read_at_reads_any_record_without_moving(tmp_path):
     positions = queue.put_positioned(payloads(5))
     assert queue.read_at([positions[4], positions[0], positions[0] + 1]) == [payloads(5)[4], payloads(5)[0], None]
     assert queue.depth == 5 and drain(queue) == payloads(5)
+    queue.close()
+
+
+SMALL = SEGMENT_HEADER_SIZE + 3 * 108  # three records a segment
+
+
+def segment_numbers(tmp_path):
+    return sorted(int(path.name[-10:-4]) for path in tmp_path.glob("*.dat"))
+
+
+async def test_segments_between_kept_records_go_at_a_checkpoint_and_stay_gone_after_a_crash(tmp_path):
+    queue = DiskQueue("q", tmp_path, max_bytes_per_file=SMALL, sync_every=1_000_000, sync_timeout=60)
+    keeper = queue.keeper = Keeper()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(queue.run)
+        queue.put_many(payloads(30))  # segments 0-9
+        _, positions = queue.read_positioned(25)  # the read position in segment 8
+        keeper.held = {positions[1]: {"d": 1}, positions[13]: None}  # in segments 0 and 4
+        queue.request_checkpoint()
+        with trio.fail_after(5):
+            while segment_numbers(tmp_path) != [0, 4, 8, 9]:
+                await trio.sleep(0.01)
+        assert queue.retained_bytes == 2 * 3 * 108 + 5 * 108  # segments 0 and 4, then 8 and 9 from record 24
+        nursery.cancel_scope.cancel()
+    queue._shut()  # no close: as after a SIGKILL
+    with capture_logs() as logs:
+        queue = DiskQueue("q", tmp_path, max_bytes_per_file=SMALL)
+        assert queue.recovered_kept == ((positions[1], positions[1], {"d": 1}),)
+        assert drain(queue) == [payloads(30)[1], payloads(30)[13]] + payloads(5, start=25)
+    assert not [log for log in logs if log["log_level"] in ("warning", "error")], logs
+    queue.close()
+
+
+def test_segments_no_kept_record_needs_are_removed_at_start(tmp_path):
+    """A crash after a checkpoint saved but before its segments were removed: they go at the start."""
+    queue = DiskQueue("q", tmp_path, max_bytes_per_file=SMALL)
+    keeper = queue.keeper = Keeper()
+    queue.put_many(payloads(30))
+    _, positions = queue.read_positioned(25)
+    keeper.held = {positions[1]: None, positions[13]: None}
+    queue.close()  # saves the kept records; the segments between them are still there
+    assert segment_numbers(tmp_path) == list(range(10))
+    queue = DiskQueue("q", tmp_path, max_bytes_per_file=SMALL)
+    assert segment_numbers(tmp_path) == [0, 4, 8, 9]
+    queue.keeper = Keeper()
+    records, again = [], []
+    while len(records) < 3:  # (a read of kept records may return fewer than asked for)
+        more, more_positions = queue.read_positioned(3 - len(records))
+        records += more
+        again += more_positions
+    assert records == [payloads(30)[1], payloads(30)[13], payloads(30)[25]]
+    assert again[:2] == [positions[1], positions[13]]
+    queue.keeper.held = {positions[13]: None}  # a second stop while segment 4 is still held
+    queue.close()
+    queue = DiskQueue("q", tmp_path, max_bytes_per_file=SMALL)
+    assert drain(queue) == [payloads(30)[13]] + payloads(4, start=26)
     queue.close()

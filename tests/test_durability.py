@@ -6,6 +6,8 @@ import time
 import pytest
 import trio
 
+from nsqd.diskq.naming import queue_stem
+
 from .conftest import HTTPClient
 from .support import Daemon, NSQConnection, consume_distinct, free_port, running_nsqd, tcp_port
 from .test_bounded_memory import Subprocess
@@ -18,6 +20,21 @@ async def drain(conn: NSQConnection, count: int, timeout: float = 5):
         got.append(msg)
         await conn.command(b"FIN " + msg.id)
     return got
+
+
+async def killed_and_restarted(daemon: Daemon, tmp_path, args, rdy: int) -> tuple[Daemon, NSQConnection]:
+    """SIGKILL the daemon, start it again on the same data and subscribe to t/c with ``rdy``."""
+    assert await daemon.stop(signal.SIGKILL) == -signal.SIGKILL
+    daemon = Daemon(tmp_path, *args)
+    await daemon.wait_ready()
+    try:
+        consumer = await NSQConnection.open(daemon.port)
+        await consumer.sub("t", "c")
+        await consumer.command(f"RDY {rdy}")
+    except BaseException:
+        await daemon.stop()
+        raise
+    return daemon, consumer
 
 
 async def test_shutdown_persists_memory_in_flight_and_deferred(tmp_path):
@@ -364,14 +381,9 @@ async def test_deferred_records_read_before_they_are_due_stay_put_and_a_crash_br
     consumer = await NSQConnection.open(daemon.port)
     await consumer.sub("t", "c")
     await consumer.command("RDY 300")  # its take reads all 300, none due yet
-    await trio.sleep(0.3)
-    await daemon.stop(signal.SIGKILL)  # before the next checkpoint (--sync-timeout 2 s)
-    daemon = Daemon(tmp_path, *args)
-    await daemon.wait_ready()
+    await trio.sleep(0.3)  # then a crash before the next checkpoint (--sync-timeout 2 s)
+    daemon, consumer = await killed_and_restarted(daemon, tmp_path, args, 600)
     try:
-        consumer = await NSQConnection.open(daemon.port)
-        await consumer.sub("t", "c")
-        await consumer.command("RDY 600")
         seen = []
         with trio.move_on_after(6):
             while True:
@@ -399,3 +411,70 @@ async def test_a_message_behind_many_deferred_records_is_delivered_at_once(tmp_p
         await consumer.command("RDY 100")
         msg = await consumer.read_message(timeout=5)
         assert msg.body == b"now"
+
+
+async def test_a_message_held_back_holds_only_its_own_segment_and_a_crash_brings_back_only_it(tmp_path):
+    """--mem-queue-size=0, 64 KiB segments: one message REQ'd with a delay while 2,000 others pass.
+    Its record holds its segment; the ones after it go once read and finished (all of them stayed
+    while it was held: 33 segments here, a full disk in the end). A SIGKILL brings it back, and
+    none of the finished ones."""
+    args = ["--mem-queue-size=0", "--max-bytes-per-file=65536", "--sync-timeout=100ms"]
+    daemon = Daemon(tmp_path, *args)
+    await daemon.wait_ready()
+    consumer = await NSQConnection.open(daemon.port)
+    await consumer.sub("t", "c")
+    publisher = await NSQConnection.open(daemon.port)
+    await publisher.pub("t", b"held")
+    await consumer.command("RDY 1")
+    held = await consumer.read_message()
+    await consumer.command(b"REQ " + held.id + b" 4000")
+    for batch in range(4):
+        await publisher.mpub("t", [b"%05d" % i + b"." * 1000 for i in range(batch * 500, batch * 500 + 500)])
+    await consumer.command("RDY 100")
+    assert len({m.body for m in await drain(consumer, 2000)}) == 2000
+
+    def segments():
+        return list(tmp_path.glob(queue_stem("t:c") + "*.dat"))
+
+    with trio.fail_after(5):
+        while len(segments()) > 3:  # the held one's, the read one and the one being written
+            await trio.sleep(0.05)
+    await trio.sleep(0.5)  # a checkpoint after the last FINs (--sync-timeout)
+    daemon, consumer = await killed_and_restarted(daemon, tmp_path, args, 100)
+    try:
+        msg = await consumer.read_message(timeout=8)
+        assert (msg.id, msg.body, msg.attempts) == (held.id, b"held", 2)
+        await consumer.command(b"FIN " + msg.id)
+        with trio.move_on_after(1):
+            extra = await consumer.read_message(timeout=2)
+            raise AssertionError(f"a finished message came back: {extra.body[:5]!r}")
+    finally:
+        assert await daemon.stop() == 0
+
+
+async def test_a_consumer_holding_one_message_of_a_batch_makes_a_crash_bring_back_only_that_one(tmp_path):
+    """--mem-queue-size=0: 500 messages reach a consumer in one batch read from disk; it finishes
+    all but one. A SIGKILL a few checkpoints later brings back that one, not its 499 neighbours."""
+    args = ["--mem-queue-size=0", "--sync-timeout=100ms"]
+    daemon = Daemon(tmp_path, *args)
+    await daemon.wait_ready()
+    consumer = await NSQConnection.open(daemon.port)
+    await consumer.sub("t", "c")
+    publisher = await NSQConnection.open(daemon.port)
+    await publisher.mpub("t", [b"%03d" % i for i in range(500)])
+    await consumer.command("RDY 500")
+    got = [await consumer.read_message() for _ in range(500)]
+    held = got[250]
+    for msg in got:
+        if msg is not held:
+            await consumer.command(b"FIN " + msg.id)
+    await trio.sleep(0.6)  # checkpoints (--sync-timeout) after the FINs
+    daemon, consumer = await killed_and_restarted(daemon, tmp_path, args, 500)
+    try:
+        back = []
+        with trio.move_on_after(1.5):
+            while True:
+                back.append(await consumer.read_message(timeout=3))
+        assert [(m.id, m.body, m.attempts) for m in back] == [(held.id, b"250", 2)]
+    finally:
+        assert await daemon.stop() == 0

@@ -44,7 +44,9 @@ from .lock import acquire_queue_lock
 from .metadata import CheckpointFile, Kept, Metadata, save_metadata
 from .naming import QueueFiles
 from .reader import SegmentReader
-from .records import MAX_RECORD_LENGTH, MAX_SEGMENT_BYTES, RECORD_HEADER_SIZE, SEGMENT_HEADER_SIZE, position, split_position
+from .records import (
+    MAX_RECORD_LENGTH, MAX_SEGMENT_BYTES, OFFSET_BITS, RECORD_HEADER_SIZE, SEGMENT_HEADER_SIZE, position, split_position,
+)
 from .recovery import recover
 from .stats import DiskQueueStatistics
 from .writer import SegmentWriter
@@ -176,10 +178,16 @@ class DiskQueue:
         saved_read = position(state.read_segment, state.read_position)
         #: records the owner took back itself (kept with a note marked ``"r"``): reading skips them
         self._reserved = {first for first, _, note in state.kept if _reserved_note(note)}
+        #: segments between the release point and the read position with no kept record left,
+        #: released while older and newer ones are still held (see :meth:`_plan`)
+        self._holes = self._reader.holes
         if self._reader.position < saved_read:
             self._filter_until = saved_read
             self._filter_firsts, self._filter_lasts = _union(state.kept)
             self._kept_unread = state.kept_count
+            holes = _uncovered(state.kept, state.release_segment + 1, min(state.read_segment, state.write_segment))
+            self._holes.update(holes)
+            self._discard_segments(holes)  # a crash after the checkpoint that released them
         #: the owner's notes on the records it kept before the last stop: (first, last, note)
         self.recovered_kept: tuple[Kept, ...] = tuple(k for k in state.kept if k[2] is not None)
         self._depth = state.depth - sum(1 for pos in self._reserved if pos >= saved_read)
@@ -487,7 +495,10 @@ class DiskQueue:
     def _bytes_from(self, first_segment: int, first_offset: int) -> int:
         writer = self._writer
         total = 0
+        holes = self._holes
         for segment in range(first_segment, writer.segment + 1):
+            if segment in holes:
+                continue
             end = writer.end if segment == writer.segment else self._segment_end(segment)
             start = first_offset if segment == first_segment else SEGMENT_HEADER_SIZE
             total += max(end - start, 0)
@@ -800,7 +811,11 @@ class DiskQueue:
         if plan.consumed:
             await trio.to_thread.run_sync(sync.release, plan, self._files, self._gate)
         if plan.generation == self._gate.generation:
-            self._oldest_segment = max(self._oldest_segment, min(meta.release[0], self._writer.segment))
+            self._oldest_segment = oldest = max(self._oldest_segment, min(meta.release[0], self._writer.segment))
+            holes = self._holes
+            holes.update(segment for segment in plan.consumed if segment > oldest)
+            if holes and min(holes) < oldest:
+                holes.difference_update([segment for segment in holes if segment < oldest])
 
     def _save_checkpoint(self, plan: sync.SyncPlan) -> OSError | None:
         if self._closed or plan.generation != self._gate.generation:
@@ -822,10 +837,15 @@ class DiskQueue:
         )
         writer.directory_changed = False
         if checkpoint:
-            plan.metadata = self._snapshot()
-            release_segment = plan.metadata.release[0]
+            self._metadata_dirty = False  # (before the snapshot: its keeper may want another one later)
+            meta = plan.metadata = self._snapshot()
+            release_segment = meta.release[0]
             plan.consumed = list(range(self._oldest_segment, min(release_segment, writer.segment)))
-            self._metadata_dirty = False
+            reader = self._reader.segment  # (still reading what was kept before a stop: not its own)
+            if meta.read_segment > release_segment + 1:
+                # one message held long (a REQ retried for hours) must not hold every segment after it
+                holes = _uncovered(meta.kept, release_segment + 1, min(meta.read_segment, writer.segment))
+                plan.consumed += [segment for segment in holes if segment not in self._holes and segment != reader]
             self._ops_since_checkpoint = 0
         return plan
 
@@ -895,6 +915,7 @@ class DiskQueue:
             self._writer.reset(fresh)
             self._reader.reset(fresh)
             self._end_filter()
+            self._holes.clear()
             self._reserved.clear()
             doomed = self._files.list_segments()
             self._discard_segments(doomed)
@@ -1068,6 +1089,18 @@ def _union(kept) -> tuple[list[int], list[int]]:
             firsts.append(first)
             lasts.append(last)
     return firsts, lasts
+
+
+def _uncovered(kept: Iterable[Kept], low: int, high: int) -> list[int]:
+    """The segments in [low, high) that no kept interval touches."""
+    if low >= high:
+        return []
+    covered = set()
+    for first, last, _ in kept:
+        first_segment, last_segment = first >> OFFSET_BITS, last >> OFFSET_BITS
+        if last_segment >= low and first_segment < high:
+            covered.update(range(max(first_segment, low), min(last_segment, high - 1) + 1))
+    return [segment for segment in range(low, high) if segment not in covered]
 
 
 def _copy_for_waiter(error: DiskQueueError) -> DiskQueueError:

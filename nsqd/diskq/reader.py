@@ -51,10 +51,15 @@ class SegmentReader:
         self.damaged_records = 0
         self.damaged_bytes = 0
         self.bytes_read = 0
+        #: segments released while records before and after them were kept (the queue's holes):
+        #: passed over, never opened
+        self.holes: set[int] = set()
         self._start_segment(segment, offset)
 
     def _start_segment(self, segment: int, offset: int) -> None:
         self.close()
+        while segment in self.holes and segment < self._writer.segment:
+            segment, offset = segment + 1, SEGMENT_HEADER_SIZE
         self.segment = segment
         self.offset = max(offset, SEGMENT_HEADER_SIZE)
         self._chunk = b""

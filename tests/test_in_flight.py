@@ -1,0 +1,37 @@
+"""The in-flight map's view for the disk queue's checkpoints (unit tests of nsqd.in_flight)."""
+
+from nsqd.in_flight import InFlight
+
+
+def ids(count):
+    return [b"%016d" % n for n in range(count)]
+
+
+def test_a_batch_is_one_interval_at_first_then_only_its_unfinished_runs():
+    in_flight = InFlight()
+    positions = [1000 + 100 * n for n in range(10)]
+    in_flight.add(ids(10), [b"frame"] * 10, positions, deadline=5, now=0)
+    for msg_id in ids(10)[:3] + ids(10)[5:6]:
+        in_flight.finish(msg_id)
+    # the first checkpoint that sees it keeps it whole (cheap: most batches are finished by the next)
+    assert in_flight.kept("n") == ([(1000, 1900, "n")], 10)
+    # from then on only what is still in flight, as runs of neighbours
+    assert in_flight.kept("n") == ([(1300, 1400, "n"), (1600, 1900, "n")], 6)
+    for msg_id in ids(10)[6:]:
+        in_flight.finish(msg_id)
+    assert in_flight.kept("n") == ([(1300, 1400, "n")], 2)
+    in_flight.take(ids(10)[3])
+    assert in_flight.kept("n") == ([(1400, 1400, "n")], 1)
+    in_flight.finish(ids(10)[4])
+    assert in_flight.kept("n") == ([], 0)
+    assert in_flight.deliveries == []  # forgotten once nothing of it is left
+
+
+def test_a_touched_message_is_kept_once_under_its_new_delivery():
+    in_flight = InFlight()
+    in_flight.add(ids(3), [b"f"] * 3, [10, 20, 30], deadline=5, now=0)
+    in_flight.kept(None)
+    assert in_flight.touch(ids(3)[1], now=1, timeout=5, max_timeout=100)
+    in_flight.finish(ids(3)[0])
+    in_flight.finish(ids(3)[2])
+    assert in_flight.kept(None) == ([(20, 20, None)], 1)
