@@ -56,6 +56,7 @@ from .diskq.records import RECORD_HEADER_SIZE
 from .e2e import LatencyWindow
 from .in_flight import Item, pieces
 from .leases import Leases
+from .logs import LogThrottle
 from .policy import ChannelPolicy
 from .subscription import Budget, Consumer, Subscription, keep_sample
 
@@ -185,6 +186,8 @@ class Channel:
         self.requeue_count = 0
         self.timeout_count = 0
         self.dropped_count = 0
+        #: drops and full-disk fallbacks, which publishes can repeat, logged once a second at most
+        self._log_throttle = LogThrottle()
         self.rejected_count = 0
         self.dead_letter_count = 0
         self.expired_count = 0
@@ -369,8 +372,9 @@ class Channel:
             self._mem_bytes += sum(map(len, frames))
         if self.backend is None and keep < n:
             self.dropped_count += n - keep
-            log.warning("ephemeral channel full, dropping", channel=self.name, topic=self.topic_name,
-                        dropped=n - keep)
+            if dropped := self._log_throttle.due(n - keep):
+                log.warning("ephemeral channel full, dropping", channel=self.name, topic=self.topic_name,
+                            dropped=dropped)
         self._wake(n)
 
     def _coalesce(self, ids: list[bytes], frames: list[bytes], positions) -> bool:
@@ -751,8 +755,9 @@ class Channel:
 
     def _drop_deferred(self, count: int) -> None:
         self.dropped_count += count
-        log.warning("ephemeral channel's deferred messages full, dropping", channel=self.name,
-                    topic=self.topic_name, dropped=count)
+        if dropped := self._log_throttle.due(count):
+            log.warning("ephemeral channel's deferred messages full, dropping", channel=self.name,
+                        topic=self.topic_name, dropped=dropped)
 
     def _defer(self, frame: bytes, due_ns: int, pos: int | None) -> None:
         backend = self.backend
@@ -769,7 +774,8 @@ class Channel:
             try:
                 backend.put(message.to_disk(frame, due_ns=due_ns, failed=failed))
             except DiskQueueError as exc:  # a full disk: the heap goes past its bound rather than lose it
-                log.error("deferred message kept in memory", channel=self.name, error=str(exc))
+                if kept := self._log_throttle.due():
+                    log.error("deferred messages kept in memory", channel=self.name, count=kept, error=str(exc))
             else:
                 self._deferred_to_disk(due_ns)
                 return

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 
 import structlog
 
@@ -57,3 +58,30 @@ def configure_logging(options: Options) -> None:
         logger_factory=_NamedLogger,
         cache_logger_on_first_use=False,
     )
+
+
+class LogThrottle:
+    """A line that publishes can repeat (a drop, a full disk) logged at most once per interval.
+
+    Every occurrence is counted; the line that is let through carries the
+    count since the last one. Without it a stalled ephemeral consumer under
+    100,000 publishes a second wrote as many warnings (Go nsqd drops those
+    messages silently), at the cost of the publishes themselves.
+    """
+
+    __slots__ = ("interval", "_next_at", "_count")
+
+    def __init__(self, interval: float = 1.0) -> None:
+        self.interval = interval
+        self._next_at = -float("inf")
+        self._count = 0
+
+    def due(self, count: int = 1) -> int:
+        """Count ``count`` occurrences; returns how many to report if a line is due now, else 0."""
+        self._count += count
+        now = time.monotonic()
+        if now < self._next_at:
+            return 0
+        self._next_at = now + self.interval
+        reported, self._count = self._count, 0
+        return reported

@@ -28,6 +28,7 @@ from .channel import Channel, ChannelExiting, PendingPut
 from .diskq import DiskQueueError
 from .diskq.records import RECORD_HEADER_SIZE
 from .e2e import LatencyWindow
+from .logs import LogThrottle
 from .policy import TopicPolicy, with_channel_changes
 
 if TYPE_CHECKING:
@@ -137,6 +138,7 @@ class Topic:
         self.message_count = 0
         self.message_bytes = 0
         self.dropped_count = 0
+        self._drop_log = LogThrottle()  # an ephemeral topic's drops: once a second at most
         if backend is not None:
             backend.keeper = self._kept
 
@@ -353,7 +355,8 @@ class Topic:
             self._mem_count += keep
         if rest and backend is None:
             self.dropped_count += len(rest)
-            log.warning("ephemeral topic full, dropping", topic=self.name, dropped=len(rest))
+            if dropped := self._drop_log.due(len(rest)):
+                log.warning("ephemeral topic full, dropping", topic=self.name, dropped=dropped)
         return []
 
     # ------------------------------------------------------------ backlog

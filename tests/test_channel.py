@@ -1,10 +1,14 @@
 """Channel, subscription and in-flight bookkeeping, driven directly (no sockets, no disk)."""
 
+import time
+
 import pytest
+from structlog.testing import capture_logs
 
 from nsqd import message
 from nsqd.channel import Channel
 from nsqd.in_flight import InFlight
+from nsqd.logs import LogThrottle
 from nsqd.policy import ChannelPolicy
 from nsqd.subscription import NOT_IN_FLIGHT, NOT_OWNED, Budget
 
@@ -77,6 +81,25 @@ def test_memory_bound_drops_ephemeral_overflow_and_counts_it():
     ch = channel(mem_queue_size=5, name="c#ephemeral")
     ch.put_chunk(*chunk(8))
     assert ch.depth == 5 and ch.dropped_count == 3
+
+
+def test_ephemeral_drops_are_logged_once_a_second_with_their_count():
+    """A stalled ephemeral consumer under many publishes: one warning, not one per publish."""
+    ch = channel(mem_queue_size=5, name="c#ephemeral")
+    with capture_logs() as logs:
+        for n in range(1000):
+            ch.put_chunk(*chunk(3, start=3 * n))
+    drops = [line for line in logs if line["event"] == "ephemeral channel full, dropping"]
+    assert ch.dropped_count == 2995
+    assert len(drops) == 1 and drops[0]["dropped"] == 1  # the first drop; the rest go in the next line
+
+
+def test_log_throttle_reports_what_it_held_back():
+    throttle = LogThrottle(interval=0.05)
+    assert throttle.due(2) == 2
+    assert [throttle.due(3) for _ in range(4)] == [0, 0, 0, 0]
+    time.sleep(0.06)
+    assert throttle.due(1) == 13
 
 
 def test_hungry_consumer_is_woken_once_messages_arrive():
