@@ -6,6 +6,8 @@ import struct
 import pytest
 
 from nsqd.diskq import DiskQueue, DiskQueueError, MessageSizeError
+from nsqd.diskq import queue as queue_module
+from nsqd.diskq import sync as sync_module
 from nsqd.diskq.records import SEGMENT_HEADER_SIZE
 
 
@@ -270,3 +272,54 @@ def test_invalid_settings_are_refused(tmp_path):
                    {"max_bytes_per_file": 20}, {"sync_every": 0}, {"sync_timeout": 0}):
         with pytest.raises(ValueError):
             DiskQueue("q", tmp_path, **kwargs)
+
+
+@pytest.mark.parametrize("count", [0, 10])
+def test_an_open_after_an_orderly_close_writes_no_metadata(tmp_path, monkeypatch, count):
+    """The metadata file already says what the files say: an open that saved it again (two fsyncs)
+    made restarts of a daemon with thousands of queues take a minute."""
+    queue = DiskQueue("q", tmp_path)
+    queue.put_many(records(count))
+    queue.read_many(3)
+    queue.close()
+    saves = []
+    monkeypatch.setattr(queue_module, "save_metadata", lambda path, meta: saves.append(meta))
+    queue = DiskQueue("q", tmp_path)
+    assert saves == []
+    queue.put_many(records(2, start=100))
+    assert drain(queue) == records(count)[3:] + records(2, start=100)
+    queue.close()
+    monkeypatch.undo()
+    queue = DiskQueue("q", tmp_path)  # the close saved what the reads and puts changed
+    assert queue.depth == 0 and drain(queue) == []
+    queue.close()
+
+
+def test_an_open_after_a_crash_saves_the_metadata_and_drops_the_checkpoint_file(tmp_path, monkeypatch):
+    queue = DiskQueue("q", tmp_path, sync_every=1)
+    queue.put_many(records(10))
+    queue.read_many(4)
+    queue._checkpoint_file.save(queue._snapshot())  # what a checkpoint leaves, then a crash
+    queue._shut()
+    saves = []
+    real = queue_module.save_metadata
+    monkeypatch.setattr(queue_module, "save_metadata", lambda path, meta: (saves.append(meta), real(path, meta)))
+    queue = DiskQueue("q", tmp_path)
+    assert len(saves) == 1 and saves[0].depth == 6
+    assert not any(path.name.endswith("checkpoint.json") for path in tmp_path.iterdir())
+    assert drain(queue) == records(10)[4:]
+    queue.close()
+
+
+def test_a_close_with_nothing_changed_since_the_open_writes_no_metadata(tmp_path, monkeypatch):
+    queue = DiskQueue("q", tmp_path)
+    queue.put_many(records(5))
+    queue.close()
+    saves = []
+    monkeypatch.setattr(sync_module, "save_metadata", lambda path, meta: saves.append(meta))
+    DiskQueue("q", tmp_path).close()
+    assert saves == []
+    queue = DiskQueue("q", tmp_path)
+    queue.read_many(1)
+    queue.close()
+    assert [meta.depth for meta in saves] == [4]  # a read is a change

@@ -26,6 +26,7 @@ come back. A queue without a keeper releases what it reads.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import errno
 import functools
 import math
@@ -213,6 +214,8 @@ class DiskQueue:
         self._failing_save = False
         self._sequence = state.sequence
         self._checkpoint_file = CheckpointFile(self._files.checkpoint_path)
+        #: the metadata file's document while no checkpoint file is newer (None: not known to be so)
+        self._on_disk: Metadata | None = None
         self._gate = sync.SyncGate()
         #: the io_uring for the commits' fdatasyncs: opened by the first commit
         #: (most queues of a daemon never commit), closed when run() ends
@@ -231,7 +234,7 @@ class DiskQueue:
         #: run() was started with start_soon and will be running soon (see :meth:`run_scheduled`)
         self._run_scheduled = False
         self._closed = False
-        self._save_metadata_now()
+        self._save_metadata_now(state.on_disk)
         self._log.info(
             "diskq_opened",
             depth=self._depth,
@@ -820,6 +823,7 @@ class DiskQueue:
     def _save_checkpoint(self, plan: sync.SyncPlan) -> OSError | None:
         if self._closed or plan.generation != self._gate.generation:
             return None  # emptied or closed meanwhile: that saved the metadata itself
+        self._on_disk = None  # (the checkpoint file is newer from now on)
         try:
             self._checkpoint_file.save(plan.metadata)
         except OSError as exc:
@@ -895,14 +899,28 @@ class DiskQueue:
         self._sequence += 1
         return self._sequence
 
-    def _save_metadata_now(self) -> None:
+    def _save_metadata_now(self, on_disk: Metadata | None = None) -> None:
+        """Save the metadata file durably and remove the checkpoint file; nothing is written when
+        ``on_disk``, the metadata file's document, says the same already (an open after an orderly
+        stop, and the close of a queue nothing changed since: two fsyncs a queue were most of a
+        restart's time)."""
+        meta = self._snapshot()
+        self._on_disk = on_disk
+        if self._on_disk_already(meta):
+            return
+        self._on_disk = None
         try:
-            save_metadata(self._files.metadata_path, self._snapshot())
+            save_metadata(self._files.metadata_path, meta)
             self._checkpoint_file.remove()
+            self._on_disk = meta
         except OSError as exc:
             self._metadata_dirty = True
             self._last_error = f"disk queue {self.name!r}: cannot save metadata: {exc}"
             self._log.error("diskq_metadata_save_failed", error=str(exc))
+
+    def _on_disk_already(self, meta: Metadata) -> bool:
+        """Whether the metadata file, with no checkpoint file beside it, says ``meta`` already."""
+        return self._on_disk is not None and dataclasses.replace(self._on_disk, sequence=meta.sequence) == meta
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -952,10 +970,11 @@ class DiskQueue:
                     os.fdatasync(fd)
                 meta = self._snapshot()
                 released = list(range(self._oldest_segment, min(meta.release[0], self._writer.segment)))
-                save_error = sync.save_and_release(self._files, meta, released)
-                if save_error is not None:
-                    raise save_error
-                self._checkpoint_file.remove()
+                if released or not self._on_disk_already(meta):
+                    save_error = sync.save_and_release(self._files, meta, released)
+                    if save_error is not None:
+                        raise save_error
+                    self._checkpoint_file.remove()
             except OSError as exc:
                 error = self._write_failed(exc)
             finally:

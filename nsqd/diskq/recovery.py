@@ -44,6 +44,9 @@ class RecoveredState:
     damaged_bytes: int
     sequence: int
     """Of the metadata used (0 without): saves go on from here."""
+    on_disk: Metadata | None = None
+    """The metadata file's document, when no checkpoint file is left beside it (after an orderly
+    stop): opening need not save the metadata again if it already says what the files say."""
 
 
 class _Recovery:
@@ -64,7 +67,7 @@ class _Recovery:
         if not segments:
             start = meta.write_segment if meta is not None else 0
             return RecoveredState(start, 0, start, 0, start, 0, 0, (), 0, self.damaged_records, self.damaged_bytes,
-                                  meta.sequence if meta is not None else 0)
+                                  meta.sequence if meta is not None else 0, self._alone(meta))
 
         read_segment, read_position = self._read_start(meta, segments)
         release_segment, release_position = read_segment, read_position
@@ -106,7 +109,12 @@ class _Recovery:
             release_segment, release_position, read_segment, read_position, write_segment, write_position,
             depth + kept_count, kept, kept_count, self.damaged_records, self.damaged_bytes,
             meta.sequence if meta is not None else 0,
+            self._alone(meta),
         )
+
+    def _alone(self, meta: Metadata | None) -> Metadata | None:
+        """The metadata file's document if no checkpoint file is beside it (see RecoveredState.on_disk)."""
+        return meta if meta is not None and not self.files.checkpoint_path.exists() else None
 
     def _load_metadata(self) -> Metadata | None:
         meta, unusable = load_newest([self.files.metadata_path, self.files.checkpoint_path])
