@@ -598,8 +598,8 @@ class Channel:
                 frames.append(item)
                 kept.append(pos)
         if frames:
-            pieces.append((list(map(message.frame_id_of, frames)), frames,
-                           kept if len(kept) == len(positions) else tuple(kept)))
+            neighbours = len(kept) == len(positions) and type(positions) is list
+            pieces.append((list(map(message.frame_id_of, frames)), frames, kept if neighbours else tuple(kept)))
         return len(frames), len(payloads)
 
     def _decode(self, payload: bytes, pos: int, now_ns: int) -> bytes | None:

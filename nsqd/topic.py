@@ -19,7 +19,7 @@ durable topic).
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import structlog
 
@@ -61,15 +61,21 @@ class _Lent:
         """Hold these (id, position, length) records, in position order; neighbours share an interval."""
         self.records = records
         self.ids = {msg_id for msg_id, _, _ in records}
-        kept: list[tuple[int, int, None]] = []
-        end = -1  # where the last kept record ends: a record starting there extends its interval
-        for _, pos, length in records:
-            if pos == end:
-                kept[-1] = (kept[-1][0], pos, None)
-            else:
-                kept.append((pos, pos, None))
-            end = pos + RECORD_HEADER_SIZE + length
-        self.kept = kept
+        self.kept = _intervals((pos, length) for _, pos, length in records)
+
+
+def _intervals(records: Iterable[tuple[int, int]]) -> list[tuple[int, int, None]]:
+    """Kept intervals of (position, length) records in position order: only neighbours share one
+    (an interval also holds every record between its ends)."""
+    kept: list[tuple[int, int, None]] = []
+    end = -1  # where the last kept record ends: a record starting there extends its interval
+    for pos, length in records:
+        if pos == end:
+            kept[-1] = (kept[-1][0], pos, None)
+        else:
+            kept.append((pos, pos, None))
+        end = pos + RECORD_HEADER_SIZE + length
+    return kept
 
 
 class QueueFull(Exception):
@@ -430,7 +436,8 @@ class Topic:
                 self._lend([item for item in items if item[2] not in finished], str(exc))
         queues: list[DiskQueue] = []
         if durable and done:
-            self._moving.append((min(done), max(done), None))
+            moved = set(done)  # (records read back after a restart need not be neighbours)
+            self._moving += _intervals(sorted((pos, length) for _, _, pos, length in items if pos in moved))
             self._moving_count += len(done)
             queues = [c.backend for c in self.channels.values() if c.backend is not None]
         more = bool(self.backend is not None and self.backend.depth) or bool(self._lent)

@@ -71,7 +71,7 @@ def test_after_a_seal_a_restart_brings_back_the_kept_records_and_only_them(tmp_p
     assert queue.depth == 2
     assert queue.recovered_kept == ((positions[3], positions[3], {"a": 2}),)
     records, again = queue.read_positioned(100)
-    assert records == [payloads(10)[3], payloads(10)[7]] and again == [positions[3], positions[7]]
+    assert records == [payloads(10)[3], payloads(10)[7]] and again == (positions[3], positions[7])
     queue.put_many(payloads(2, start=10))
     assert drain(queue) == payloads(2, start=10)
     queue.close()

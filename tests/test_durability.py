@@ -478,3 +478,46 @@ async def test_a_consumer_holding_one_message_of_a_batch_makes_a_crash_bring_bac
         assert [(m.id, m.body, m.attempts) for m in back] == [(held.id, b"250", 2)]
     finally:
         assert await daemon.stop() == 0
+
+
+@pytest.mark.parametrize("flags", [["--mem-queue-size=0"], ["--durable"]])
+async def test_messages_held_across_two_crashes_and_the_ones_published_between_all_come_back(tmp_path, flags):
+    """Three scattered messages of a batch held over a SIGKILL come back, and are held again while
+    50 more are published; after a second SIGKILL every one of the 53 comes back. The recovered
+    three were kept as one interval (they had come back as a list of positions, which means
+    neighbours), which covered finished records and a released segment: the count fell short, the
+    queue's depth reached 0 with 51 records unread, and a durable publish then skipped them."""
+    args = [*flags, "--sync-timeout=100ms", "--max-bytes-per-file=4096"]
+    daemon = Daemon(tmp_path, *args)
+    await daemon.wait_ready()
+    consumer = await NSQConnection.open(daemon.port)
+    await consumer.sub("t", "c")
+    publisher = await NSQConnection.open(daemon.port)
+    await publisher.mpub("t", [b"a%03d" % i + b"." * 100 for i in range(100)])
+    await consumer.command("RDY 100")
+    for msg in [await consumer.read_message() for _ in range(100)]:
+        if int(msg.body[1:4]) not in (10, 50, 90):
+            await consumer.command(b"FIN " + msg.id)
+    await trio.sleep(0.6)  # checkpoints after the FINs
+    daemon, consumer = await killed_and_restarted(daemon, tmp_path, args, 100)
+    try:
+        held = sorted([(await consumer.read_message(timeout=5)).body[:4] for _ in range(3)])
+        assert held == [b"a010", b"a050", b"a090"]
+        await consumer.command("RDY 0")
+        publisher = await NSQConnection.open(daemon.port)
+        await publisher.mpub("t", [b"b%03d" % i for i in range(50)])
+        await trio.sleep(0.6)
+    except BaseException:
+        await daemon.stop()
+        raise
+    daemon, consumer = await killed_and_restarted(daemon, tmp_path, args, 5)
+    try:
+        seen = set()
+        with trio.move_on_after(10):
+            while len(seen) < 53:
+                msg = await consumer.read_message(timeout=10)
+                seen.add(msg.body[:4])
+                await consumer.command(b"FIN " + msg.id)
+        assert {b"a010", b"a050", b"a090", *(b"b%03d" % i for i in range(50))} <= seen
+    finally:
+        assert await daemon.stop() == 0

@@ -369,11 +369,20 @@ class DiskQueue:
         """Remove and return up to ``max_count`` records, oldest first; [] if none."""
         return self._read(max_count, None)
 
-    def read_positioned(self, max_count: int, max_bytes: float = math.inf) -> tuple[list[bytes], list[int]]:
+    def read_positioned(self, max_count: int,
+                        max_bytes: float = math.inf) -> tuple[list[bytes], list[int] | tuple[int, ...]]:
         """:meth:`read_many`, with each record's position; stops once the records add up to
-        ``max_bytes`` (past it by at most one scan window, or one record if bigger)."""
+        ``max_bytes`` (past it by at most one scan window, or one record if bigger).
+
+        The positions are a list when the records are neighbours on disk (an
+        interval from the first to the last holds them and nothing else), a
+        tuple when they may not be: read back after a restart, with the
+        records finished before it (and whole released segments) left out.
+        """
         positions: list[int] = []
-        return self._read(max_count, positions, max_bytes), positions
+        scattered = self._filter_until is not None or bool(self._reserved)
+        records = self._read(max_count, positions, max_bytes)
+        return records, tuple(positions) if scattered else positions
 
     def _read(self, max_count: int, positions: list[int] | None, max_bytes: float = math.inf) -> list[bytes]:
         self._check_open()
@@ -401,7 +410,11 @@ class DiskQueue:
                     continue  # everything read was finished before the stop, or reserved: read on
             break
         if records:
-            self._depth = max(0, self._depth - len(records))
+            # never 0 with unread records past the read position (all of them count once the
+            # records kept before a restart are read back): a depth that fell short would stop
+            # readers, and a durable put would skip past those records
+            unread = self._filter_until is None and not reader.caught_up
+            self._depth = max(1 if unread else 0, self._depth - len(records))
             if not self._metadata_dirty:
                 self._dirtied()
             self._count_op(len(records))
@@ -463,7 +476,7 @@ class DiskQueue:
             if index >= 0 and pos <= lasts[index]:
                 kept_records.append(record)
                 kept_positions.append(pos)
-                self._kept_unread -= 1
+                self._kept_unread = max(self._kept_unread - 1, 0)
         del found[first:]
         found += kept_positions
         return kept_records
