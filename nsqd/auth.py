@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import random
 import ssl
+import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode, urlsplit
@@ -37,8 +38,13 @@ class AuthError(Exception):
 #: RE2 reports a bad pattern by raising, not also on standard error
 _RE2_OPTIONS = re2.Options()
 _RE2_OPTIONS.log_errors = False
+#: memory one compiled pattern may take (RE2's default is 8 MiB): ``\pL{300}\pN{300}``, 25 bytes
+#: of reply, took 0.24 s and up to 10 MB to compile; refused now ("pattern too large")
+_RE2_OPTIONS.max_mem = 2 << 20
 #: most topic and channel patterns one reply may hold
 MAX_PATTERNS = 1024
+#: most time one reply's patterns may take to compile, in the event loop (RE2 holds the GIL)
+COMPILE_BUDGET = 0.25
 _GO_INT = 1 << 63
 
 
@@ -100,6 +106,7 @@ def parse_reply(body: bytes, now: float) -> AuthState:
             raise ValueError(f"ttl {str(ttl)[:32]} is not an integer")
         compiled: dict[str, Any] = {}
         patterns = 0
+        deadline = time.perf_counter() + COMPILE_BUDGET
 
         def pattern(source: Any) -> Any:
             nonlocal patterns
@@ -108,27 +115,57 @@ def parse_reply(body: bytes, now: float) -> AuthState:
                 raise ValueError(f"more than {MAX_PATTERNS} topic and channel patterns")
             if isinstance(source, str) and source in compiled:
                 return compiled[source]
+            if time.perf_counter() > deadline:
+                raise ValueError(f"patterns that take more than {COMPILE_BUDGET} s to compile")
             compiled[source] = found = _pattern(source)
             return found
 
         auths = []
-        for item in doc.get("authorizations") or []:
-            perms = frozenset(item.get("permissions") or [])
+        for item in _list(doc.get("authorizations"), "authorizations"):
+            if not isinstance(item, dict):
+                raise TypeError(f"authorization {str(item)[:32]} is not an object")
+            perms = frozenset(_strings(item.get("permissions"), "permissions"))
             unknown = perms - set(PERMISSIONS)
             if unknown:
                 raise AuthError(f"unknown permission {sorted(unknown)[0]}")
             auths.append(Authorization(
-                pattern(item.get("topic", "")),
-                tuple(pattern(c) for c in item.get("channels") or []),
+                pattern(_string(item.get("topic"), "topic")),
+                tuple(pattern(c) for c in _strings(item.get("channels"), "channels")),
                 perms,
             ))
-        state = AuthState(str(doc.get("identity", "")), str(doc.get("identity_url", "")), now + ttl,
-                          tuple(auths))
+        state = AuthState(_string(doc.get("identity"), "identity"), _string(doc.get("identity_url"), "identity_url"),
+                          now + ttl, tuple(auths))
     except (ValueError, TypeError, AttributeError, RecursionError, OverflowError) as exc:
         raise AuthError(f"invalid auth reply: {exc}") from None
+    finally:
+        re2.purge()  # the module's own cache of 128 compiled patterns: ours live in the states only
     if ttl <= 0:
         raise AuthError(f"invalid TTL {ttl} (must be >0)")
     return state
+
+
+def _list(value: Any, what: str) -> list:
+    """A JSON array, as Go decodes one into a slice: null is empty, anything else is refused."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise TypeError(f"{what} {str(value)[:32]} is not an array")
+    return value
+
+
+def _strings(value: Any, what: str) -> list[str]:
+    items = _list(value, what)
+    if not all(isinstance(item, str) for item in items):
+        raise TypeError(f"{what} {str(value)[:32]} is not an array of strings")
+    return items
+
+
+def _string(value: Any, what: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} {str(value)[:32]} is not a string")
+    return value
 
 
 async def query_any(addresses: list[str], *, remote_ip: str, tls: bool, secret: str, common_name: str = "",
@@ -144,7 +181,7 @@ async def query_any(addresses: list[str], *, remote_ip: str, tls: bool, secret: 
                                   connect_timeout, request_timeout, ssl_context)
             return parse_reply(body, now)
         except (AuthError, ResponseError, *FAILURES) as exc:
-            errors.append(f"failed to auth against {address} - {exc or type(exc).__name__}")
+            errors.append(f"failed to auth against {address} - {str(exc) or type(exc).__name__}")
     raise AuthError("; ".join(errors))
 
 

@@ -64,6 +64,9 @@ PROBE_FILE = ".nsqd-storage-probe"
 SHUTDOWN_RETRIES = 3
 #: fewest messages a step of a big batch holds, however many channels share them
 MIN_STEP_MESSAGES = 1024
+#: most channels a new topic takes from nsqlookupd: 110,000 names (900 KB) made as many disk
+#: queues, with the event loop held for 23 minutes
+LOOKUPD_CHANNELS = 1024
 
 
 class PublishError(Exception):
@@ -468,12 +471,20 @@ class Broker:
     async def _start_topic(self, topic: Topic, addresses: list[str]) -> None:
         """Create the channels nsqlookupd knows for a new topic, then hand on what it kept meanwhile."""
         names = await self.topic_channels(addresses, topic.name) if self.topic_channels else []
-        if self.topics.get(topic.name) is not topic:
-            return  # deleted meanwhile
+        if len(names) > LOOKUPD_CHANNELS:
+            log.warning("channels from nsqlookupd past the limit ignored", topic=topic.name, named=len(names),
+                        limit=LOOKUPD_CHANNELS)
+            names = names[:LOOKUPD_CHANNELS]
         try:
-            for name in names:
+            for index, name in enumerate(names):
+                if index % 16 == 0:
+                    await trio.sleep(0)  # each is a disk queue opened: everybody else is served between
+                if self.topics.get(topic.name) is not topic:
+                    return  # deleted meanwhile
                 topic.get_channel(name)
         except ChannelExiting:
+            return
+        if self.topics.get(topic.name) is not topic:
             return
         if names:
             log.info("channels from nsqlookupd", topic=topic.name, channels=names)

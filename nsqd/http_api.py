@@ -154,7 +154,9 @@ class HTTPAPI:
 
     def __init__(self, nsqd) -> None:
         self.nsqd = nsqd
-        self._auth_cache: dict[str, auth.AuthState] = {}
+        #: by (secret, remote IP, TLS): the auth server's answer may depend on all three, as it does
+        #: for the TCP protocol's AUTH
+        self._auth_cache: dict[tuple[str, str, bool], auth.AuthState] = {}
         # path -> method -> handler; /ping alone answers in plain text
         self.routes: dict[str, dict[str, Handler]] = {
             "/ping": {"GET": self.ping},
@@ -219,7 +221,10 @@ class HTTPAPI:
             status, headers, body = _v1_error(405, "METHOD_NOT_ALLOWED")
             return status, [(b"Allow", allow), *headers], body
         if self.nsqd.options.auth_http_addresses and request.path not in _OPEN_PATHS and request.method != "GET":
-            refused = await self._check_auth(request)
+            try:
+                refused = await self._check_auth(request)
+            except HTTPError as err:  # a query that does not parse
+                refused = err.status, err.message
             if refused is not None:
                 return _v1_error(*refused)
         status, result = await self._run(handler, request, params)
@@ -240,7 +245,8 @@ class HTTPAPI:
         """
         if not request.secret:
             return 401, "AUTH_REQUIRED"
-        state = self._auth_cache.get(request.secret)
+        key = (request.secret, request.remote_ip, request.secure)
+        state = self._auth_cache.get(key)
         now = self.nsqd.now_ns() / 1e9
         if state is None or state.is_expired(now):
             opts = self.nsqd.options
@@ -255,7 +261,7 @@ class HTTPAPI:
                 return 401, "AUTH_FAILED"
             if len(self._auth_cache) >= _AUTH_CACHE_SIZE:
                 self._auth_cache.pop(next(iter(self._auth_cache)))
-            self._auth_cache[request.secret] = state
+            self._auth_cache[key] = state
         if request.path.startswith("/config/"):
             return None if state.authorizations else (403, "AUTH_UNAUTHORIZED")
         query = request.query()
@@ -266,6 +272,8 @@ class HTTPAPI:
             allowed = state.allows(topic)
         else:
             allowed = state.allows(topic) and state.allows(topic, channel or ".")
+        if request.path == "/topic/redrive":  # it publishes to another topic too
+            allowed = allowed and state.allows(_first(query, "to") or "")
         return None if allowed else (403, "AUTH_UNAUTHORIZED")
 
     @staticmethod

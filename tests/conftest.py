@@ -47,9 +47,10 @@ class HTTPResponse:
 class HTTPClient:
     """One request per connection, over h11; enough to check status, headers and bodies."""
 
-    def __init__(self, port: int, host: str = "127.0.0.1") -> None:
+    def __init__(self, port: int, host: str = "127.0.0.1", local_address: str | None = None) -> None:
         self.host = host
         self.port = port
+        self.local_address = local_address
 
     async def request(self, method: str, target: str, body: bytes = b"", *, chunked: bool = False,
                       headers: tuple[tuple[str, str], ...] = ()) -> HTTPResponse:
@@ -64,7 +65,7 @@ class HTTPClient:
             out += conn.send(h11.Data(data=body))
         out += conn.send(h11.EndOfMessage())
         with trio.fail_after(10):
-            async with await trio.open_tcp_stream(self.host, self.port) as stream:
+            async with await trio.open_tcp_stream(self.host, self.port, local_address=self.local_address) as stream:
                 await stream.send_all(out)
                 return await self._read_response(conn, stream)
 

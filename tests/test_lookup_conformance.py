@@ -122,6 +122,36 @@ async def test_a_new_topic_starts_with_the_channels_nsqlookupd_knows(tmp_path):
         nursery.cancel_scope.cancel()
 
 
+async def test_a_new_topic_takes_at_most_1024_channels_from_nsqlookupd_and_serves_everyone_meanwhile(tmp_path):
+    """110,000 channel names (900 KB, under the reply's cap) made as many disk queues in one go:
+    the event loop was held for 23 minutes and the daemon grew to 1.6 GB."""
+    from nsqd.broker import LOOKUPD_CHANNELS
+
+    from .lookupd import NSQLookupd, Producer
+    from .support import NSQConnection, tcp_port
+
+    lookupd = NSQLookupd()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lookupd.serve)
+        names = {("t", "c%05d" % i) for i in range(LOOKUPD_CHANNELS + 500)}
+        lookupd.producers[-1] = Producer("10.0.0.9:4150", {}, names)
+        async with running_nsqd(tmp_path) as nsqd:
+            await _connected(nsqd, lookupd)
+            conn = await NSQConnection.open(tcp_port(nsqd))
+            await conn.pub("t", b"first")
+            topic = nsqd.topics["t"]
+            answers = 0
+            with trio.fail_after(60):
+                while topic.starting:  # another client is answered while the channels are made
+                    await conn.pub("other", b"x")
+                    answers += 1
+            assert answers > 1
+            assert len(topic.channels) == LOOKUPD_CHANNELS
+            assert sorted(topic.channels)[-1] == "c%05d" % (LOOKUPD_CHANNELS - 1)
+            assert all(channel.depth == 1 for channel in topic.channels.values())
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_new_topic_starts_without_channels_when_nsqlookupd_does_not_answer(tmp_path):
     """A lookupd whose HTTP port refuses: the query is logged and skipped, and the topic starts
     (a consumer that subscribed meanwhile gets what was published)."""

@@ -4,6 +4,7 @@ import json
 import signal
 import ssl
 import subprocess
+import time
 import sys
 
 import h11
@@ -293,6 +294,42 @@ def test_an_auth_reply_holds_at_most_1024_patterns_each_compiled_once():
         parse_reply(json.dumps(many).encode(), now=0)
 
 
+@pytest.mark.parametrize("field, value", [
+    ("channels", "."), ("channels", "xq"), ("channels", [1]), ("permissions", {"publish": False}),
+    ("permissions", "publish"), ("topic", ["a"]), ("identity", {"x": 1}), ("identity_url", 7),
+    ("authorizations", {"topic": "a"}), ("authorizations", [None]), ("authorizations", ["a"]),
+])
+def test_an_auth_reply_of_the_wrong_types_is_refused_whole_as_go_decodes_it(field, value):
+    """A string where Go wants an array made each character a pattern (``"."``: any channel), a
+    map of permissions gave its keys (``{"publish": false}``: publish)."""
+    from nsqd.auth import AuthError, parse_reply
+    reply = {"ttl": 60, "identity": "i", "authorizations": [{"topic": ".*", "channels": ["^c$"],
+                                                             "permissions": ["subscribe"]}]}
+    target = reply if field in ("identity", "identity_url", "authorizations") else reply["authorizations"][0]
+    target[field] = value
+    with pytest.raises(AuthError, match="invalid auth reply"):
+        parse_reply(json.dumps(reply).encode(), now=0)
+    nulls = {"ttl": 60, "identity": None, "authorizations": [{"topic": None, "channels": None,
+                                                             "permissions": ["publish"]}]}
+    state = parse_reply(json.dumps(nulls).encode(), now=0)  # null is Go's zero value
+    assert state.identity == "" and not state.allows("t")  # (no channel pattern: nothing matches)
+
+
+def test_auth_patterns_that_cost_too_much_to_compile_are_refused_fast():
+    """``\\pL{300}\\pN{300}``: 25 bytes of reply took 0.24 s and up to 10 MB to compile; 200 of
+    them held the event loop for 48 s and grew the daemon by 600 MB."""
+    from nsqd.auth import AuthError, parse_reply
+    one = {"ttl": 60, "authorizations": [{"topic": "\\pL{300}\\pN{300}", "permissions": ["publish"]}]}
+    started = time.perf_counter()
+    with pytest.raises(AuthError, match="pattern too large"):
+        parse_reply(json.dumps(one).encode(), now=0)
+    costly = {"ttl": 60, "authorizations": [{"topic": "\\pL{40}\\pN{40}%d" % i, "permissions": ["publish"]}
+                                            for i in range(200)]}
+    with pytest.raises(AuthError, match="take more than"):
+        parse_reply(json.dumps(costly).encode(), now=0)
+    assert time.perf_counter() - started < 2
+
+
 def test_auth_patterns_match_in_linear_time():
     """Python's re backtracks: this pattern and a 28-letter topic held the event loop 8 s, and
     each letter more doubles that. The decision runs in a subprocess, so a regression fails by
@@ -407,6 +444,17 @@ async def test_http_publish_and_admin_need_a_secret_when_auth_is_on(tmp_path):
             assert (resp.status, resp.json()) == (403, {"message": "AUTH_UNAUTHORIZED"})
             assert (await http.request("POST", "/topic/empty?topic=t", headers=bearer("admin"))).status == 200
             assert server.queries == ["nope", "pub", "admin"]  # answers are cached until they expire
+            # ... for the address and TLS they were given to: the auth server may answer each its own way
+            other = HTTPClient(nsqd.http_addresses[0][1], local_address="127.0.0.2")
+            assert (await other.request("POST", "/pub?topic=t", b"x", headers=bearer("pub"))).status == 200
+            assert server.queries == ["nope", "pub", "admin", "pub"]
+            # a redrive publishes to its "to" topic: that needs publish permission there too
+            resp = await http.request("POST", "/topic/redrive?topic=t&to=u", headers=bearer("admin"))
+            assert (resp.status, resp.json()) == (403, {"message": "AUTH_UNAUTHORIZED"})
+            assert "u" not in nsqd.topics
+            # a query that does not parse gets its answer (the connection was dropped without one)
+            resp = await http.request("POST", "/pub?topic=t;x=1", b"x", headers=bearer("pub"))
+            assert (resp.status, resp.json()) == (400, {"message": "INVALID_REQUEST"})
             nursery.cancel_scope.cancel()
 
 
