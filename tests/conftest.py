@@ -9,7 +9,21 @@ import h11
 import pytest
 import trio
 
-from .support import running_nsqd
+from .support import SPAWNED, running_nsqd
+
+
+@pytest.fixture(autouse=True)
+def _no_daemon_left_behind():
+    """Kill the subprocess daemons a test started and left running (it failed before it stopped
+    them); those of module fixtures, started before it, are theirs to stop."""
+    before = len(SPAWNED)
+    yield
+    for proc in SPAWNED[before:]:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    del SPAWNED[before:]
+    SPAWNED[:] = [proc for proc in SPAWNED if proc.poll() is None]
 
 
 @pytest.fixture

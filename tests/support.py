@@ -203,6 +203,11 @@ def free_port() -> int:
     raise OSError("no free port outside the ephemeral range")
 
 
+#: daemons started as subprocesses by the test running now: any still alive after it are killed
+#: (a test that fails half-way leaves no daemon behind; see conftest.py)
+SPAWNED: list[subprocess.Popen] = []
+
+
 class Daemon:
     """``python -m nsqd`` as a real subprocess."""
 
@@ -214,6 +219,7 @@ class Daemon:
              "--shutdown-grace=0",
              f"--data-path={data_path}", "--log-level=warn", *args],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        SPAWNED.append(self.proc)
 
     async def wait_ready(self) -> None:
         with trio.fail_after(20):

@@ -17,7 +17,7 @@ from amqp_gateway import performatives as p
 from nsqd import body_budget
 
 from .conftest import HTTPClient, http_port
-from .support import FRAME_MESSAGE, NSQConnection, free_port, mpub_body, running_nsqd, tcp_port
+from .support import FRAME_MESSAGE, SPAWNED, NSQConnection, free_port, mpub_body, running_nsqd, tcp_port
 from .test_amqp_raw import Client
 
 MIB = 1024 * 1024
@@ -34,6 +34,7 @@ class Subprocess:
              f"--http-address=127.0.0.1:{self.http}", f"--amqp-address=127.0.0.1:{self.amqp}",
              "--shutdown-grace=0", f"--data-path={tmp_path / 'data'}", "--log-level=error", *args],
             stdout=subprocess.DEVNULL, stderr=self.log)
+        SPAWNED.append(self.proc)
         deadline = time.monotonic() + 20
         for port in (self.tcp, self.http, self.amqp):
             while True:
