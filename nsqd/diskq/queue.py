@@ -885,7 +885,7 @@ class DiskQueue:
             # the owner's notes on the kept records not read again yet (not its reserved ones: it
             # took those back itself and notes them anew), or a second stop would lose them
             kept += [(max(f, here), l, note) for f, l, note in self.recovered_kept
-                     if l >= here and not _reserved_note(note)]
+                     if l >= here and (self.keeper is None or not _reserved_note(note))]
         if self._reserved:
             kept = kept + [(pos, pos, RESERVED_NOTE) for pos in self._reserved]
         release = min([read_at, *(k[0] for k in kept)]) if kept else read_at
