@@ -499,6 +499,8 @@ class Topic:
         """The channel copies of the moved steps are durable: their topic records may go."""
         self._moving.clear()
         self._moving_count = 0
+        if self.backend is not None:  # else the checkpoint saved while they moved could stay the last:
+            self.backend.request_checkpoint()  # every crash moved the whole backlog to the channels again
 
     def _kept(self) -> tuple[list, int]:
         kept = list(self._moving)

@@ -521,3 +521,33 @@ async def test_messages_held_across_two_crashes_and_the_ones_published_between_a
         assert {b"a010", b"a050", b"a090", *(b"b%03d" % i for i in range(50))} <= seen
     finally:
         assert await daemon.stop() == 0
+
+
+async def test_a_durable_backlog_moved_to_its_channel_is_not_moved_again_by_each_crash(tmp_path):
+    """The topic's checkpoint after the move was never saved: each SIGKILL handed the whole backlog
+    to the channel again (1,000 messages delivered 4,000 times after three crashes)."""
+    args = ["--durable", "--sync-every=1"]  # a checkpoint as each step is read: before it is moved
+    daemon = Daemon(tmp_path, *args)
+    await daemon.wait_ready()
+    publisher = await NSQConnection.open(daemon.port)
+    await publisher.mpub("t", [b"%04d" % i for i in range(1000)])  # no channel yet: the topic keeps them
+    consumer = await NSQConnection.open(daemon.port)
+    await consumer.sub("t", "c")
+    for _ in range(3):
+        await trio.sleep(1)  # moved, and past the checkpoints after it
+        assert await daemon.stop(signal.SIGKILL) == -signal.SIGKILL
+        daemon = Daemon(tmp_path, *args)
+        await daemon.wait_ready()
+    try:
+        consumer = await NSQConnection.open(daemon.port)
+        await consumer.sub("t", "c")
+        await consumer.command("RDY 500")
+        bodies = []
+        with trio.move_on_after(2):
+            while True:
+                msg = await consumer.read_message(timeout=5)
+                bodies.append(msg.body)
+                await consumer.command(b"FIN " + msg.id)
+        assert sorted(bodies) == [b"%04d" % i for i in range(1000)]  # each once
+    finally:
+        assert await daemon.stop() == 0
