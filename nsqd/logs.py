@@ -3,6 +3,7 @@
 The start-up configures it once from the options and again whenever
 ``log_level`` changes at run time (``PUT /config/log_level``), unless the
 daemon is embedded in an application that configured logging itself.
+:class:`LogThrottle` keeps lines that publishes can repeat to one a second.
 """
 
 from __future__ import annotations
