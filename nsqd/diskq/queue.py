@@ -430,15 +430,20 @@ class DiskQueue:
         return records
 
     def _low_on_space(self) -> bool:
+        """Whether the file system is nearly full; room found is trusted for a second, a lack of it
+        is looked at again at the next read (a read that could not seal yet, while records kept
+        before a restart were read back, kept the last one from looking, and the room never came back)."""
         now = time.monotonic()
         if now < self._space_checked_at + 1:
             return False
-        self._space_checked_at = now
         try:
             stat = os.statvfs(self._files.directory)
         except OSError:
             return False
-        return stat.f_bavail * stat.f_frsize < LOW_SPACE
+        low = stat.f_bavail * stat.f_frsize < LOW_SPACE
+        if not low:
+            self._space_checked_at = now
+        return low
 
     def seal_if_drained(self, min_bytes: int = SEAL_DRAINED) -> bool:
         """Start a new segment if everything written was read and the current one holds ``min_bytes``.
