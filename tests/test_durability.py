@@ -533,15 +533,10 @@ async def test_a_durable_backlog_moved_to_its_channel_is_not_moved_again_by_each
     await publisher.mpub("t", [b"%04d" % i for i in range(1000)])  # no channel yet: the topic keeps them
     consumer = await NSQConnection.open(daemon.port)
     await consumer.sub("t", "c")
-    for _ in range(3):
+    for crash in range(3):
         await trio.sleep(1)  # moved, and past the checkpoints after it
-        assert await daemon.stop(signal.SIGKILL) == -signal.SIGKILL
-        daemon = Daemon(tmp_path, *args)
-        await daemon.wait_ready()
+        daemon, consumer = await killed_and_restarted(daemon, tmp_path, args, 500 if crash == 2 else 0)
     try:
-        consumer = await NSQConnection.open(daemon.port)
-        await consumer.sub("t", "c")
-        await consumer.command("RDY 500")
         bodies = []
         with trio.move_on_after(2):
             while True:
