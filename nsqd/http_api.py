@@ -17,7 +17,7 @@ import re
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from urllib.parse import unquote_to_bytes
@@ -108,6 +108,8 @@ class Request:
     secure: bool = False
     secret: str = ""
     remote_ip: str = ""
+    #: the context of a wait on the auth server (http_server.Request.waiting_elsewhere)
+    waiting_elsewhere: Callable[[], AbstractContextManager[None]] = nullcontext
 
     @property
     def uri(self) -> str:
@@ -157,6 +159,9 @@ class HTTPAPI:
         #: by (secret, remote IP, TLS): the auth server's answer may depend on all three, as it does
         #: for the TCP protocol's AUTH
         self._auth_cache: dict[tuple[str, str, bool], auth.AuthState] = {}
+        #: the auth queries under way, by the same key: requests that need the same answer share
+        #: one query (at most one per connection is waiting, so this is bounded by the HTTP cap)
+        self._auth_asking: dict[tuple[str, str, bool], _AuthQuery] = {}
         # path -> method -> handler; /ping alone answers in plain text
         self.routes: dict[str, dict[str, Handler]] = {
             "/ping": {"GET": self.ping},
@@ -194,6 +199,7 @@ class HTTPAPI:
             secure=http_request.secure,
             secret=_bearer(fields),
             remote_ip=host_of(http_request.remote),
+            waiting_elsewhere=http_request.waiting_elsewhere,
         )
         status, headers, body = await self.respond(request)
         if body.content_type is not None:
@@ -247,21 +253,13 @@ class HTTPAPI:
             return 401, "AUTH_REQUIRED"
         key = (request.secret, request.remote_ip, request.secure)
         state = self._auth_cache.get(key)
-        now = self.nsqd.now_ns() / 1e9
-        if state is None or state.is_expired(now):
-            opts = self.nsqd.options
+        if state is None or state.is_expired(self.nsqd.now_ns() / 1e9):
             try:
-                state = await auth.query_any(
-                    opts.auth_http_addresses, remote_ip=request.remote_ip, tls=request.secure,
-                    secret=request.secret, now=now, method=opts.auth_http_request_method,
-                    connect_timeout=opts.http_client_connect_timeout,
-                    request_timeout=opts.http_client_request_timeout)
+                with request.waiting_elsewhere():
+                    state = await self._ask_auth(request, key)
             except auth.AuthError as exc:
                 log.warning("HTTP AUTH failed", error=str(exc))
                 return 401, "AUTH_FAILED"
-            if len(self._auth_cache) >= _AUTH_CACHE_SIZE:
-                self._auth_cache.pop(next(iter(self._auth_cache)))
-            self._auth_cache[key] = state
         if request.path.startswith("/config/"):
             return None if state.authorizations else (403, "AUTH_UNAUTHORIZED")
         query = request.query()
@@ -275,6 +273,38 @@ class HTTPAPI:
         if request.path == "/topic/redrive":  # it publishes to another topic too
             allowed = allowed and state.allows(_first(query, "to") or "")
         return None if allowed else (403, "AUTH_UNAUTHORIZED")
+
+    async def _ask_auth(self, request: Request, key: tuple[str, str, bool]) -> auth.AuthState:
+        """The auth server's answer for ``key``, cached; joins the query under way for it, if any.
+
+        A query whose asker was cancelled (closed to make room at the cap) leaves no answer: the
+        requests that waited on it ask again, one of them for all.
+        """
+        while (query := self._auth_asking.get(key)) is not None:
+            await query.done.wait()
+            if query.state is not None:
+                return query.state
+            if query.error is not None:
+                raise query.error
+        query = self._auth_asking[key] = _AuthQuery()
+        opts = self.nsqd.options
+        try:
+            state = await auth.query_any(
+                opts.auth_http_addresses, remote_ip=request.remote_ip, tls=request.secure,
+                secret=request.secret, now=self.nsqd.now_ns() / 1e9, method=opts.auth_http_request_method,
+                connect_timeout=opts.http_client_connect_timeout,
+                request_timeout=opts.http_client_request_timeout)
+        except auth.AuthError as exc:
+            query.error = exc
+            raise
+        finally:
+            del self._auth_asking[key]
+            query.done.set()
+        query.state = state
+        if len(self._auth_cache) >= _AUTH_CACHE_SIZE:
+            self._auth_cache.pop(next(iter(self._auth_cache)))
+        self._auth_cache[key] = state
+        return state
 
     @staticmethod
     async def _run(handler: Handler, request: Request, params: dict[str, str]) -> tuple[int, object]:
@@ -704,6 +734,17 @@ def _v1_error(status: int, message: str) -> tuple[int, list[tuple[bytes, bytes]]
 #: endpoints that stay open when auth is on (they only read)
 _OPEN_PATHS = frozenset(("/ping", "/info", "/stats", "/metrics"))
 _AUTH_CACHE_SIZE = 1024
+
+
+class _AuthQuery:
+    """One auth query under way, and its outcome once ``done`` is set (neither: cancelled)."""
+
+    __slots__ = ("done", "state", "error")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.state: auth.AuthState | None = None
+        self.error: auth.AuthError | None = None
 
 
 def _policy_args(query: dict[str, list[str]], names: tuple[str, ...]) -> dict[str, int]:

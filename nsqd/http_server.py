@@ -17,8 +17,10 @@ policy when reached:
   longest (and at least a second) for more of its request body gets
   ``503 {"message":"TOO_MANY_CONNECTIONS"}`` and is closed; when every
   connection is busy otherwise, the newcomer gets that 503 and is closed
-  (HTTPS: closed without a handshake). A flood of idle sockets or stalled
-  bodies thus never locks out /ping.
+  (HTTPS: closed without a handshake). A request the app holds waiting on
+  another server (``Request.waiting_elsewhere``: the auth server) counts as a
+  stalled body. A flood of idle sockets, stalled bodies or requests waiting on
+  an auth server that never answers thus never locks out /ping.
 * ``max_head_size`` (16 KiB): a request head that h11 holds incomplete past
   it (its ``max_incomplete_event_size``), or a complete one whose target,
   header names and values add up to more, gets ``431 HEADER_TOO_BIG``.
@@ -49,7 +51,8 @@ import math
 import re
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from email.utils import formatdate
 from urllib.parse import unquote
@@ -74,7 +77,8 @@ RECEIVE_SIZE = 64 * 1024
 #: the bytes it carries (5 MiB of them: about 20 s of the event loop)
 MIN_AVERAGE_CHUNK = 16
 CHUNKS_BEFORE_AVERAGE = 65536
-#: how long a connection must have waited for more of its body before it may be closed to make room
+#: how long a connection must have waited for more of its body (or on another server) before it may
+#: be closed to make room
 BODY_EVICTION_WAIT = 1.0
 #: body events handled in a row from what is already buffered before other tasks get a turn
 EVENTS_PER_TURN = 1024
@@ -110,6 +114,10 @@ class ClientGone(RequestAborted):
     """The client disconnected before its request body was read."""
 
 
+class Evicted(RequestAborted):
+    """The request waited elsewhere too long while the server was full: answered 503 and closed."""
+
+
 class BadRequest(RequestAborted):
     """The body broke the protocol or its deadline: answered with ``status`` and closed."""
 
@@ -131,6 +139,10 @@ class Request:
     secure: bool
     remote: str  # "host:port"
     receive: Callable[[], Awaitable[bytes]]  # the next piece of body; b"" once it is complete
+    #: a context for a wait on another server (the auth server): at the cap, a request that has
+    #: waited there longest (and at least BODY_EVICTION_WAIT) is cancelled, answered 503 and closed
+    #: (:class:`Evicted` leaves the context), as a stalled body is
+    waiting_elsewhere: Callable[[], AbstractContextManager[None]] = nullcontext
 
 
 @dataclass
@@ -184,9 +196,11 @@ class HTTPServer:
         self._connections: set[_Connection] = set()
         #: connections waiting for a request head, oldest wait first: the ones closed at the cap
         self._waiting: dict[_Connection, None] = {}
-        #: connections waiting for more of a request body, and since when, longest wait first: closed
-        #: at the cap once they have waited BODY_EVICTION_WAIT and no connection waits for a head
+        #: connections waiting for more of a request body, or on another server for the app, and since
+        #: when, longest wait first: closed at the cap once they have waited BODY_EVICTION_WAIT and no
+        #: connection waits for a head
         self._waiting_for_body: dict[_Connection, float] = {}
+        self._waiting_elsewhere: dict[_Connection, float] = {}
         self._refusing = 0
         self._refused = 0
         self._refusal_logged_at = -REFUSAL_LOG_INTERVAL
@@ -221,16 +235,23 @@ class HTTPServer:
 
     def _evict_one(self) -> bool:
         """Close the connection that has waited longest for a request, else the one that has
-        waited longest, and at least BODY_EVICTION_WAIT, for more of its body; False if none."""
+        waited longest, and at least BODY_EVICTION_WAIT, for more of its body or on another
+        server; False if none."""
         if self._waiting:
             connection = next(iter(self._waiting))
             del self._waiting[connection]
-        elif (self._waiting_for_body
-              and next(iter(self._waiting_for_body.values())) <= trio.current_time() - BODY_EVICTION_WAIT):
-            connection = next(iter(self._waiting_for_body))
-            del self._waiting_for_body[connection]
         else:
-            return False
+            oldest = trio.current_time() - BODY_EVICTION_WAIT
+            stalled = None
+            for waiting in (self._waiting_for_body, self._waiting_elsewhere):
+                if waiting:
+                    since = next(iter(waiting.values()))
+                    if since <= oldest:
+                        oldest, stalled = since, waiting
+            if stalled is None:
+                return False
+            connection = next(iter(stalled))
+            del stalled[connection]
         self._connections.discard(connection)
         connection.evict()
         return True
@@ -301,6 +322,8 @@ class _Connection:
         self.remote = peer_address(stream)
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_head_size)
         self._scope = trio.CancelScope()
+        #: the scope of the app's wait on another server, while it lasts
+        self._elsewhere: trio.CancelScope | None = None
         self._phase = "idle"  # what the deadline guards: handshake, idle, head, app, body or send
         self._evicted = False
         self._linger = False  # the client may still be sending when we close
@@ -310,9 +333,30 @@ class _Connection:
         self._body_chunks = self._body_bytes = self._body_events = 0
 
     def evict(self) -> None:
-        """Close this connection (it waits for a request) to make room for a new one."""
+        """Close this connection (it waits for a request, its body or on another server) to make
+        room for a new one."""
         self._evicted = True
-        self._scope.cancel()
+        if self._elsewhere is not None:
+            self._elsewhere.cancel()  # only the wait: the app's request ends in Evicted
+        else:
+            self._scope.cancel()
+
+    @contextmanager
+    def _waiting_elsewhere(self) -> Iterator[None]:
+        """Request.waiting_elsewhere: the app waits on another server; evictable at the cap."""
+        if self._evicted:
+            raise Evicted()
+        waiting = self.server._waiting_elsewhere
+        with trio.CancelScope() as scope:
+            self._elsewhere = scope
+            waiting[self] = trio.current_time()
+            try:
+                yield
+            finally:
+                waiting.pop(self, None)
+                self._elsewhere = None
+        if scope.cancelled_caught:
+            raise Evicted()
 
     async def run(self) -> None:
         try:
@@ -330,6 +374,7 @@ class _Connection:
             self.server._connections.discard(self)
             self.server._waiting.pop(self, None)
             self.server._waiting_for_body.pop(self, None)
+            self.server._waiting_elsewhere.pop(self, None)
             try:
                 if self._linger:
                     await _linger(self.raw_stream)
@@ -430,6 +475,7 @@ class _Connection:
             secure=self.server.tls_context is not None,
             remote=self.remote,
             receive=self._receive_body,
+            waiting_elsewhere=self._waiting_elsewhere,
         )
         self._body_deadline = trio.current_time() + self.limits.body_timeout
         self._body_chunks = self._body_bytes = 0
@@ -437,6 +483,10 @@ class _Connection:
             response = await self.server.app(request)
         except ClientGone:
             log.info("HTTP client left mid-request", client=self.remote)
+            return False
+        except Evicted:
+            log.info("HTTP request waiting on another server closed to make room", client=self.remote)
+            await self._send_final(error_response(503, "TOO_MANY_CONNECTIONS"))
             return False
         except BadRequest as exc:
             log.info("bad HTTP request body", client=self.remote, status=exc.status, error=exc.detail)

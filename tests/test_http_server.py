@@ -401,6 +401,97 @@ async def test_connection_cap_answers_503_when_all_are_busy(daemon):
     assert (await exchange(port, b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")).body == b"OK"
 
 
+class SlowAuthServer:
+    """An auth server on loopback that holds each query until ``release`` is set, then grants all."""
+
+    def __init__(self) -> None:
+        self.queries: list[str] = []
+        self.release = trio.Event()
+        self.port = 0
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.port = listeners[0].socket.getsockname()[1]
+        task_status.started()
+        await trio.serve_listeners(self.handle, listeners)
+
+    async def handle(self, stream) -> None:
+        request = b""
+        while b"\r\n\r\n" not in request:
+            request += await stream.receive_some(65536)
+        self.queries.append(request.split(b"secret=")[1].split(b"&")[0].decode())
+        await self.release.wait()
+        body = json.dumps({"ttl": 60, "authorizations": [
+            {"topic": ".*", "channels": [".*"], "permissions": ["publish", "subscribe"]}]}).encode()
+        try:
+            await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        except trio.BrokenResourceError:  # the daemon gave up on this query
+            pass
+        await stream.aclose()
+
+
+def authed_pub(secret: str) -> bytes:
+    return (b"POST /pub?topic=t HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+            b"Content-Length: 5\r\n\r\nhello" % secret.encode())
+
+
+async def test_requests_waiting_on_a_silent_auth_server_make_room_for_ping(tmp_path, monkeypatch):
+    """At the cap, the request that has waited longest (and at least BODY_EVICTION_WAIT) on the
+    auth server gets a 503 and is closed: 500 of them held every slot, /ping got 503 for 30 s.
+    The request that shared its query asks again."""
+    monkeypatch.setattr(http_server, "DEFAULT_LIMITS", dataclasses.replace(http_server.DEFAULT_LIMITS,
+                                                                           max_connections=4))
+    monkeypatch.setattr(http_server, "BODY_EVICTION_WAIT", 0.2)
+    server = SlowAuthServer()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        async with running_nsqd(tmp_path, http_address="127.0.0.1:0", http_client_request_timeout=60,
+                                auth_http_addresses=[f"127.0.0.1:{server.port}"]) as nsqd:
+            port = http_port(nsqd)
+            waiting = []
+            for secret in ("s0", "s0", "s1", "s2"):  # the second shares the first one's query
+                client = await Raw.open(port)
+                await client.send(authed_pub(secret))
+                waiting.append(client)
+                await trio.sleep(0.05)
+            await trio.sleep(0.3)
+            assert server.queries == ["s0", "s1", "s2"]
+            with structlog.testing.capture_logs() as logs:
+                assert (await exchange(port, b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")).body == b"OK"
+            json_error(await waiting[0].response(), 503, "TOO_MANY_CONNECTIONS")
+            assert await waiting[0].closed()
+            assert any("waiting on another server" in entry["event"] for entry in logs)
+            await trio.sleep(0.1)
+            assert server.queries == ["s0", "s1", "s2", "s0"]
+            server.release.set()  # the others are answered as usual, and publish
+            for client in waiting[1:]:
+                assert (await client.response()).body == b"OK"
+                await client.aclose()
+            assert topic_depth(nsqd, "t") == 3
+            nursery.cancel_scope.cancel()
+
+
+async def test_requests_that_need_the_same_auth_answer_share_one_query(tmp_path):
+    """20 concurrent publishes with one secret asked the auth server 20 times; now once."""
+    server = SlowAuthServer()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        async with running_nsqd(tmp_path, http_address="127.0.0.1:0",
+                                auth_http_addresses=[f"127.0.0.1:{server.port}"]) as nsqd:
+            port = http_port(nsqd)
+            clients = [await Raw.open(port) for _ in range(20)]
+            for client in clients:
+                await client.send(authed_pub("shared"))
+            await trio.sleep(0.3)
+            assert server.queries == ["shared"]
+            server.release.set()
+            for client in clients:
+                assert (await client.response()).body == b"OK"
+                await client.aclose()
+            assert topic_depth(nsqd, "t") == 20 and server.queries == ["shared"]
+            nursery.cancel_scope.cancel()
+
+
 @pytest.mark.parametrize("daemon", [{"max_connections": 4}], indirect=True)
 async def test_ping_answers_under_a_flood_of_idle_connections(daemon):
     """At the cap the oldest idle connections are closed to make room, so /ping stays reachable."""
