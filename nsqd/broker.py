@@ -303,6 +303,17 @@ class Broker:
         for queue in self.backends():
             queue.failing = None
 
+    @property
+    def broadcast_tcp_port(self) -> int:
+        """The TCP port told to nsqlookupd: ``--broadcast-tcp-port``, else the bound one (as Go's
+        New rewrites the option once it listens, which /config then reports)."""
+        return self.options.broadcast_tcp_port or (self.tcp_addresses[0][1] if self.tcp_addresses else 0)
+
+    @property
+    def broadcast_http_port(self) -> int:
+        """``--broadcast-http-port``, else the bound HTTP port (as :attr:`broadcast_tcp_port`)."""
+        return self.options.broadcast_http_port or (self.http_addresses[0][1] if self.http_addresses else 0)
+
     def now_ns(self) -> int:
         """Wall-clock nanoseconds that follow Trio's clock (so tests can jump time)."""
         if self._clock is None:

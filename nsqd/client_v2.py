@@ -85,6 +85,8 @@ class ClientV2:
         self.msg_timeout_ns = int(options.msg_timeout * 1e9)
         self.output_buffer_size = 16 * 1024
         self.output_buffer_timeout_ns = int(options.output_buffer_timeout * 1e9)
+        #: when IDENTIFY was last applied (daemon clock; None: never): it restarts the flush ticker
+        self.identified_ns: int | None = None
         self.sample_rate = 0
         self.feature_negotiation = False
         self.tls = self.snappy = self.deflate = False

@@ -60,16 +60,13 @@ def registrations(nsqd: Broker) -> set[tuple[str, str]]:
 
 
 def identify_body(nsqd: Broker) -> bytes:
-    opts = nsqd.options
-    tcp_port = opts.broadcast_tcp_port or (nsqd.tcp_addresses[0][1] if nsqd.tcp_addresses else 0)
-    http_port = opts.broadcast_http_port or (nsqd.http_addresses[0][1] if nsqd.http_addresses else 0)
     # Go marshals a map: compact, keys sorted; v1.3.0 sends these five
     return json.dumps({
         "version": NSQD_VERSION,
-        "tcp_port": tcp_port,
-        "http_port": http_port,
+        "tcp_port": nsqd.broadcast_tcp_port,
+        "http_port": nsqd.broadcast_http_port,
         "hostname": socket.gethostname(),
-        "broadcast_address": opts.broadcast_address,
+        "broadcast_address": nsqd.options.broadcast_address,
     }, separators=(",", ":"), sort_keys=True).encode()
 
 

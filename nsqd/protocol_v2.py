@@ -627,6 +627,7 @@ class ProtocolV2:
             _identify(client, data, opts)
         except ValueError as exc:
             raise ClientError("E_BAD_BODY", f"IDENTIFY {exc}") from None
+        client.identified_ns = now_ns
         log.info("IDENTIFY", client=client.remote_address, client_id=client.client_id,
                  user_agent=client.user_agent)
         client.on_wake()  # the pump re-reads the heartbeat interval

@@ -131,8 +131,7 @@ async def statsd_loop(nsqd: Broker) -> None:
     if not opts.statsd_address:
         return
     host, port = split_host_port(opts.statsd_address)
-    http_port = opts.broadcast_http_port or (nsqd.http_addresses[0][1] if nsqd.http_addresses else 0)
-    reporter = StatsdReporter(metric_prefix(opts.statsd_prefix, opts.broadcast_address, http_port),
+    reporter = StatsdReporter(metric_prefix(opts.statsd_prefix, opts.broadcast_address, nsqd.broadcast_http_port),
                               opts.statsd_exclude_ephemeral, opts.statsd_mem_stats)
     while True:
         await trio.sleep(opts.statsd_interval)

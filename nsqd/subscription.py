@@ -372,10 +372,11 @@ class Subscription:
 
 
 def keep_sample(pieces: list, rate: int) -> tuple[list, list]:
-    """Split pieces into the ``rate`` percent kept and the rest (dropped for the channel, as nsqd)."""
+    """Split pieces into the kept and the rest (dropped for the channel), as nsqd: each is kept
+    with chance ``(rate + 1) / 100``, so a rate of 99 keeps them all."""
     kept, dropped = [], []
     for ids, frames, positions in pieces:
-        keep = [i for i in range(len(ids)) if random.randrange(100) < rate]
+        keep = [i for i in range(len(ids)) if random.randrange(100) <= rate]  # as Go: Int31n(100) <= rate
         if len(keep) == len(ids):
             kept.append((ids, frames, positions))
             continue

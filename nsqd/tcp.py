@@ -235,8 +235,13 @@ class Connection:
         self._lot = trio.lowlevel.ParkingLot()
         self._turn = WriteTurn()
         self._cancel_scope = trio.CancelScope()
-        #: when the messages waiting in the output buffer were first held (None: nothing held)
-        self._held_since: float | None = None
+        #: when the messages waiting in the output buffer go out (None: nothing held)
+        self._held_until: float | None = None
+        #: Go's pump flushes held messages on a ticker of ``output_buffer_timeout`` (started with the
+        #: pump, again by IDENTIFY), whose channel keeps one tick: the IDENTIFY that started it, its
+        #: start, and when a tick was last taken (a message after an idle tick goes at once)
+        self._ticker_identify: int | None = None
+        self._tick_origin = self._tick_taken = 0.0
         #: while the read loop waits for the client: when the command it waits for is due (nsqd's
         #: read deadline); the pump enforces it, which spares a cancel scope on every read
         self._read_deadline = math.inf
@@ -515,14 +520,14 @@ class Connection:
         if client.sub is not None:
             client.fill(self.nsqd.now_ns())
         if not out:
-            self._held_since = None
+            self._held_until = None
             return True
         if client.holds_output():
             return False
         data = b"".join(out)
         out.clear()
         client.flush_now = False
-        self._held_since = None
+        self._held_until = None
         try:
             sent = _send_now(self._plain_fd, data)
         except trio.BrokenResourceError:  # the reader's next read finds the end
@@ -558,12 +563,12 @@ class Connection:
     async def _pump(self) -> None:
         """Heartbeats, messages for the client, held output, and the read deadline."""
         client = self.client
-        last_heartbeat = trio.current_time()
+        last_heartbeat = self._tick_origin = self._tick_taken = trio.current_time()
         while True:
             hb = client.heartbeat_interval_ns / 1e9
             wake_at = last_heartbeat + hb if hb > 0 else math.inf
-            if self._held_since is not None:  # messages wait in the output buffer: send them by then
-                wake_at = min(wake_at, self._held_since + client.output_buffer_timeout_ns / 1e9)
+            if self._held_until is not None:  # messages wait in the output buffer: send them by then
+                wake_at = min(wake_at, self._held_until)
             if client.refill_put_off_ns is not None:  # a small refill waits: take it by then
                 left_ns = client.refill_put_off_ns + client.output_buffer_timeout_ns - self.nsqd.now_ns()
                 if left_ns > 0:  # else a writer holds the turn, and refills before it gives it back
@@ -691,19 +696,21 @@ class Connection:
             while True:
                 client.fill(self.nsqd.now_ns())
                 if not out:
-                    self._held_since = None
+                    self._held_until = None
                     return
                 if client.holds_output():
                     now = trio.current_time()
-                    if self._held_since is None:
-                        self._held_since = now
-                        self._lot.unpark_all()  # the pump learns when to send them
-                    if now < self._held_since + client.output_buffer_timeout_ns / 1e9:
+                    if self._held_until is None:
+                        self._held_until = self._next_tick(now)
+                        if self._held_until > now:
+                            self._lot.unpark_all()  # the pump learns when to send them
+                    if now < self._held_until:
                         return
+                    self._tick_taken = now  # the tick sends them
                 data = b"".join(out)
                 out.clear()
                 client.flush_now = False
-                self._held_since = None
+                self._held_until = None
                 if self._plain_fd >= 0:
                     sent = _send_now(self._plain_fd, data)
                     if sent == len(data):
@@ -716,6 +723,18 @@ class Connection:
                     raise trio.TooSlowError("client did not read its messages in time")
         finally:
             self._turn.give_back()
+
+
+    def _next_tick(self, now: float) -> float:
+        """When Go's output buffer ticker next fires for held messages: its kept tick, if one
+        fired since it was last taken (then at once), else the next one."""
+        client = self.client
+        if client.identified_ns != self._ticker_identify:  # a new ticker: its first tick a period on
+            self._ticker_identify = client.identified_ns
+            self._tick_origin = self._tick_taken = now - (self.nsqd.now_ns() - client.identified_ns) / 1e9
+        period = client.output_buffer_timeout_ns / 1e9
+        origin = self._tick_origin
+        return origin + (math.floor((self._tick_taken - origin) / period) + 1) * period
 
 
 def _send_now(fd: int, data: bytes) -> int:

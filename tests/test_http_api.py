@@ -684,6 +684,18 @@ async def test_config_get(http, opt, body, content_type):
     assert response.headers[V1[0]] == V1[1]
 
 
+async def test_config_reports_the_options_nsqd_rewrites_once_it_listens(nsqd_server, http):
+    """Go's New sets the broadcast ports left at 0 to the bound ones and fills the statsd
+    prefix's %s with the host key; /config then reports those (it said 0, 0 and nsq.%s)."""
+    tcp, http_port = nsqd_server.tcp_addresses[0][1], nsqd_server.http_addresses[0][1]
+    assert (await http.get("/config/broadcast_tcp_port")).body == b"%d" % tcp
+    response = await http.get("/config/broadcast_http_port")
+    assert (response.body, response.headers["content-type"]) == (b"%d" % http_port, JSON_TYPE)
+    host = nsqd_server.options.broadcast_address.replace(".", "_")
+    response = await http.get("/config/statsd_prefix")
+    assert (response.body, response.headers["content-type"]) == (f"nsq.{host}_{http_port}.".encode(), TEXT_TYPE)
+
+
 async def test_config_unknown_option(http):
     assert_error(await http.get("/config/no_such_option"), 400, "INVALID_OPTION")
     assert_error(await http.get("/config/queue_scan_interval"), 400, "INVALID_OPTION")  # not a Go flag field

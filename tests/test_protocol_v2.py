@@ -432,6 +432,31 @@ async def test_output_buffer_settings_batch_messages_as_nsqd_does(tmp_path):
         assert trio.current_time() - start < 0.5 and len(got) == 64
 
 
+async def test_a_message_after_an_idle_tick_is_sent_at_once_as_nsqd_does(tmp_path):
+    """Go's pump flushes on a ticker whose channel keeps one tick: a message that comes after the
+    consumer was idle for a tick goes out at once, and only messages right behind a flush wait for
+    the next tick. Each such message had waited a whole output_buffer_timeout (250 ms by default)."""
+    async with running_nsqd(tmp_path) as nsqd:
+        pub = await NSQConnection.open(tcp_port(nsqd))
+        consumer = await NSQConnection.open(tcp_port(nsqd))
+        await consumer.identify(output_buffer_timeout=1000)
+        await consumer.sub("t", "c")
+        await consumer.command("RDY 100")
+        await trio.sleep(1.1)  # a tick came and was kept
+        for body in (b"one", b"two"):  # each after an idle tick
+            start = trio.current_time()
+            await pub.pub("t", body)
+            assert (await consumer.read_message(timeout=3)).body == body
+            assert trio.current_time() - start < 0.5
+            await trio.sleep(1.1)
+        await pub.pub("t", b"three")  # its tick is taken now
+        assert (await consumer.read_message(timeout=3)).body == b"three"
+        start = trio.current_time()
+        await pub.pub("t", b"four")  # right behind: the next tick, within the second
+        assert (await consumer.read_message(timeout=3)).body == b"four"
+        assert 0.05 < trio.current_time() - start < 1.1
+
+
 async def test_a_consumer_that_set_rdy_0_does_not_keep_a_message_from_an_idle_one(tmp_path):
     """Both consumers waited for messages; the first then sent RDY 0. The next message is
     the second's at once, not at its next heartbeat (30 s)."""
@@ -455,6 +480,17 @@ async def test_a_sampling_consumer_is_not_stalled_by_a_batch_it_sampled_away(tmp
         for _ in range(20):  # each take of one message is dropped half the time
             msg = await sub.read_message(timeout=3)
             await sub.command(b"FIN " + msg.id)
+
+
+async def test_sample_rate_keeps_a_message_unless_a_draw_of_0_to_99_exceeds_it_as_nsqd(tmp_path):
+    """Go skips a message when ``rand.Int31n(100) > sampleRate``: a rate of 99 delivers every
+    message. 25 of 2,000 had been dropped for the channel."""
+    async with running_nsqd(tmp_path) as nsqd:
+        publisher = await NSQConnection.open(tcp_port(nsqd))
+        sub = await subscriber(nsqd, "t", "c", rdy=2500, sample_rate=99)
+        await publisher.mpub("t", [b"%d" % i for i in range(2000)])
+        got = [await sub.read_message(timeout=3) for _ in range(2000)]
+        assert sorted(int(msg.body) for msg in got) == list(range(2000))
 
 
 async def test_deferred_messages_on_disk_do_not_hide_a_ready_one_behind_them(tmp_path):
