@@ -28,6 +28,7 @@ import trio
 
 from . import gc_pauses
 from .broker import Broker, MetadataError
+from .diskq import DiskQueueError
 from .logs import configure_logging
 from .options import Options, join_host_port, split_host_port
 from .version import version_string
@@ -163,7 +164,7 @@ def run(options: Options) -> int:
     gc.set_threshold(*GC_THRESHOLDS)
     try:
         trio.run(main)
-    except* (OSError, MetadataError) as group:  # a port in use, an unusable nsqd.dat: one line, as Go
+    except* (OSError, MetadataError, DiskQueueError) as group:  # a port in use, bad nsqd.dat or queue: one line
         failures = list(_leaves(group))
     if failures:
         started = bool(daemon) and daemon[0].ready.is_set()

@@ -5,8 +5,9 @@ import subprocess
 import sys
 
 import pytest
+import trio
 
-from .support import free_port
+from .support import Daemon, NSQConnection, consume_distinct, free_port
 
 
 @pytest.mark.parametrize("content,reason", [
@@ -37,3 +38,47 @@ def test_garbled_metadata_stops_start_up_with_one_line(tmp_path, content, reason
     assert f"{data / 'nsqd.dat'} is not valid nsqd metadata ({reason}" in lines[-1]
     assert "move it aside to start without it" in lines[-1] and "Traceback" not in proc.stderr.decode()
     assert (data / "nsqd.dat").read_bytes() == content  # not overwritten on the way out
+
+
+async def _queue_of_five(data) -> None:
+    """Topic ``t`` with five messages in its disk queue, the daemon stopped."""
+    daemon = Daemon(data, "--mem-queue-size=0")
+    await daemon.wait_ready()
+    conn = await NSQConnection.open(daemon.port)
+    await conn.mpub("t", [b"m%d" % i for i in range(5)])
+    await conn.close()
+    assert await daemon.stop() == 0
+
+
+async def test_a_damaged_segment_version_is_repaired_and_the_daemon_starts(tmp_path):
+    """One flipped bit in a segment's version bytes stopped the whole daemon with a traceback."""
+    data = tmp_path / "data"
+    await _queue_of_five(data)
+    with open(data / "t.diskq.000000.dat", "r+b") as stream:
+        stream.seek(9)
+        stream.write(b"\x03")  # version 1 with its second bit flipped
+    daemon = Daemon(data, "--mem-queue-size=0")
+    await daemon.wait_ready()
+    got = await consume_distinct(daemon.port, "t", "c", 5)
+    assert sorted(got) == [b"m%d" % i for i in range(5)]
+    assert await daemon.stop() == 0
+
+
+async def test_a_segment_of_another_format_stops_start_up_with_one_line(tmp_path):
+    data = tmp_path / "data"
+    await _queue_of_five(data)
+    segment = data / "t.diskq.000000.dat"
+    with open(segment, "r+b") as stream:
+        stream.seek(8)
+        stream.write(b"\x00\x07")
+        stream.seek(20)  # the first record's checksum: not ours
+        stream.write(b"\x00\x00\x00\x00")
+    before = segment.read_bytes()
+    daemon = Daemon(data, "--mem-queue-size=0")
+    assert await trio.to_thread.run_sync(daemon.proc.wait, 60) == 1
+    stderr = daemon.proc.stderr.read().decode()
+    assert "Traceback" not in stderr, stderr
+    last = stderr.splitlines()[-1]
+    assert "FATAL: failed to start nsqd - " in last and "segment format version 7 is not supported" in last
+    assert "move the queue's files aside" in last
+    assert segment.read_bytes() == before

@@ -246,11 +246,29 @@ def test_damaged_segment_magic_is_repaired_without_losing_records(tmp_path):
     assert open_queue(tmp_path).statistics().bytes_skipped == 0
 
 
-def test_newer_format_version_is_refused(tmp_path):
+@pytest.mark.parametrize("version", [0, 3, 7])
+def test_a_damaged_format_version_over_our_records_is_repaired_without_losing_them(tmp_path, version):
+    """One flipped bit in the version bytes had refused the queue, and with it the daemon's start."""
+    items = payloads(10)
+    write_queue(tmp_path, items)
+    with open(tmp_path / "q.diskq.000000.dat", "r+b") as stream:
+        stream.seek(8)
+        stream.write(struct.pack(">H", version))
+    queue = open_queue(tmp_path)
+    assert queue.statistics().bytes_skipped == SEGMENT_HEADER_SIZE
+    assert drain(queue) == items
+    queue.close()
+    assert open_queue(tmp_path).statistics().bytes_skipped == 0
+
+
+def test_a_segment_of_another_format_is_refused(tmp_path):
+    """Another version over records that do not verify as ours: another build wrote it."""
     write_queue(tmp_path, payloads(3))
     with open(tmp_path / "q.diskq.000000.dat", "r+b") as stream:
         stream.seek(8)
         stream.write(struct.pack(">H", 7))
+        stream.seek(SEGMENT_HEADER_SIZE + 4)  # the first record's checksum, as another format has it
+        stream.write(b"\0\0\0\0")
     with pytest.raises(DiskQueueError, match="format version 7 is not supported"):
         open_queue(tmp_path)
     with pytest.raises(DiskQueueError, match="format version 7"):  # not "already open": the lock was released

@@ -17,7 +17,6 @@ from itertools import repeat
 
 from crc32c import crc32c
 
-from .errors import DiskQueueError
 
 MAGIC = b"NSQDSKQ\n"
 FORMAT_VERSION = 1
@@ -56,21 +55,36 @@ class HeaderState(Enum):
     VALID = "valid"
     TORN = "torn"  # shorter than a header: the file was cut while being created
     BAD_MAGIC = "bad magic"
+    OTHER_VERSION = "other version"  # damaged, or another format: its first record tells
 
 
-def check_segment_header(data: bytes, path: object) -> HeaderState:
-    """Classify a segment's first bytes; refuse formats this code cannot read."""
+def check_segment_header(data: bytes) -> HeaderState:
+    """Classify a segment's first bytes."""
     if len(data) < SEGMENT_HEADER_SIZE:
         return HeaderState.TORN
     magic, version, _flags, _reserved = _SEGMENT_HEADER.unpack_from(data)
     if magic != MAGIC:
         return HeaderState.BAD_MAGIC
     if version != FORMAT_VERSION:
-        raise DiskQueueError(
-            f"{path}: segment format version {version} is not supported "
-            f"(this build reads version {FORMAT_VERSION})"
-        )
+        return HeaderState.OTHER_VERSION
     return HeaderState.VALID
+
+
+def header_version(data: bytes) -> int:
+    return _SEGMENT_HEADER.unpack_from(data)[1]
+
+
+def first_record_is_ours(read: Callable[[int], bytes], size: int) -> bool:
+    """Whether what follows a segment header is one of our records (or nothing): ``read(n)``
+    reads on from the header, ``size`` bytes being left. A header whose version is not ours over
+    records that verify was damaged, not written by another format."""
+    head = read(RECORD_HEADER_SIZE)
+    if len(head) < RECORD_HEADER_SIZE:
+        return True
+    length, crc = _RECORD_HEADER.unpack(head)
+    if length > size - RECORD_HEADER_SIZE:
+        return False
+    return crc32c(read(length), crc32c(head[:4])) == crc
 
 
 def encode_record(payload: bytes) -> bytes:

@@ -13,13 +13,17 @@ from dataclasses import dataclass
 
 import structlog
 
+from .errors import DiskQueueError
 from .metadata import Kept, Metadata, load_newest
 from .naming import QueueFiles
 from .records import (
+    FORMAT_VERSION,
     SEGMENT_HEADER_SIZE,
     HeaderState,
     ScanResult,
     check_segment_header,
+    first_record_is_ours,
+    header_version,
     scan_records,
     segment_header,
 )
@@ -123,14 +127,22 @@ class _Recovery:
         return meta
 
     def _check_headers(self, segments: list[int]) -> list[int]:
-        """Drop files too short to hold a record; restore damaged magic bytes."""
+        """Drop files too short to hold a record; restore damaged magic or version bytes; refuse
+        a segment of another format."""
         usable = []
         for segment in segments:
             path = self.files.segment_path(segment)
             with open(path, "r+b") as stream:
                 head = stream.read(SEGMENT_HEADER_SIZE)
-                state = check_segment_header(head, path)
-                if state is HeaderState.BAD_MAGIC:
+                state = check_segment_header(head)
+                if state is HeaderState.OTHER_VERSION:
+                    size = os.fstat(stream.fileno()).st_size - SEGMENT_HEADER_SIZE
+                    if not first_record_is_ours(stream.read, size):
+                        raise DiskQueueError(
+                            f"{path}: segment format version {header_version(head)} is not supported (this "
+                            f"build reads version {FORMAT_VERSION}): move the queue's files aside to start "
+                            f"without them, or start the build that wrote them")
+                if state in (HeaderState.BAD_MAGIC, HeaderState.OTHER_VERSION):
                     self.log.warning("diskq_segment_header_repaired", path=str(path), found=head.hex())
                     stream.seek(0)
                     stream.write(segment_header())
