@@ -284,6 +284,9 @@ class Channel:
             return self._prepare_deferred(ids, frames, durable, due_ns)
         room = max(self.mem_queue_size - self._mem_count, 0)
         if backend is None:
+            if room < n:  # what ready consumers take at once is never dropped (Go's pumps wait on
+                # an ephemeral channel's queue, even one of --mem-queue-size=0, and take from it)
+                room = max(room, self._ready_room() - self._mem_count)
             return PendingPut(self, ids, frames, min(n, room), None, None, 0)
         mark = backend.mark()
         if durable:
@@ -297,6 +300,12 @@ class Channel:
         if keep < n:
             backend.put_many(frames[keep:] if keep else frames)
         return PendingPut(self, ids, frames, keep, None, mark if keep < n else None, 0)
+
+    def _ready_room(self) -> int:
+        """Messages this channel's consumers would take the moment they are queued."""
+        if self.paused or self.exiting or self.draining:
+            return 0
+        return sum(sub.wake_room(1 << 30) for sub in self.subscriptions.values())
 
     def _prepare_deferred(self, ids, frames, durable, due_ns) -> PendingPut:
         backend = self.backend

@@ -349,6 +349,24 @@ async def test_disconnect_requeues_in_flight_at_once(tmp_path):
         assert [m.attempts for m in again] == [2, 2, 2]
 
 
+@pytest.mark.parametrize("topic", ["t", "e#ephemeral"])
+async def test_ephemeral_channels_deliver_to_ready_consumers_with_memory_queues_off(tmp_path, topic):
+    """With --mem-queue-size=0 every message to an #ephemeral channel was dropped, ready consumer
+    or not (0 of 200); what ready consumers take at once is kept, what they cannot is dropped."""
+    async with running_nsqd(tmp_path, mem_queue_size=0) as nsqd:
+        publisher = await NSQConnection.open(tcp_port(nsqd))
+        sub = await subscriber(nsqd, topic, "c#ephemeral", rdy=5)
+        for i in range(20):
+            await publisher.pub(topic, b"%d" % i)
+            msg = await sub.read_message(timeout=3)
+            assert msg.body == b"%d" % i
+            await sub.command(b"FIN " + msg.id)
+        await publisher.mpub(topic, [b"x"] * 8)  # room for RDY's 5, the other 3 dropped and counted
+        got = [await sub.read_message(timeout=3) for _ in range(5)]
+        channel = nsqd.topics[topic].channels["c#ephemeral"]
+        assert len(got) == 5 and channel.dropped_count == 3
+
+
 async def test_ephemeral_channel_and_topic_vanish_with_last_client(tmp_path):
     async with running_nsqd(tmp_path) as nsqd:
         sub = await subscriber(nsqd, "e#ephemeral", "c#ephemeral", rdy=1)
