@@ -147,6 +147,8 @@ class Connection:
         self.more = False
         self._frames = None
         self.output: list[bytes] = []
+        #: bytes of transfer frames waiting in the sessions for the peer's windows (Session.pending)
+        self.window_held = 0
         #: frames up to 512 bytes until our open announces more (spec 2.4.1), SASL frames included
         self.reader = FrameReader(MIN_MAX_FRAME_SIZE)
         self.remote_open: Open | None = None

@@ -100,7 +100,10 @@ class LinkConsumer:
         again wakes its writer, whose fill asks the channel anew.
         """
         link = self.link
-        return min(link.credit, link.session.outgoing_room)
+        session = link.session
+        if session.connection.window_held >= FILL_BYTES:  # the connection holds a round already
+            return 0
+        return min(link.credit, session.outgoing_room)
 
     def wake(self) -> None:
         self.on_wake()
@@ -130,7 +133,7 @@ class LinkConsumer:
         ``max_bytes``); answer drain and echo. Returns the bytes of the messages sent."""
         link = self.link
         sub = self.sub
-        want = min(link.credit, link.session.outgoing_room, FILL_BATCH)
+        want = min(link.credit, link.session.outgoing_room, FILL_BATCH) if max_bytes > 0 else 0
         sent = nbytes = 0
         if want > 0:
             pieces = sub.take(want, now_ns, max_bytes)

@@ -286,8 +286,8 @@ class GatewayConnection:
 
     # ---------------------------------------------------------------- output
     def fill(self, now_ns: int) -> int:
-        """One batch per consuming link, ``FILL_BYTES`` for them all (detaching those whose channel
-        went); returns the bytes of the messages sent.
+        """One batch per consuming link, ``FILL_BYTES`` for them all less what waits for the peer's
+        session windows (detaching those whose channel went); returns the bytes of the messages sent.
 
         A round that runs out of bytes ends at that link; the next round starts
         with the link after it, so every link gets its turn.
@@ -296,17 +296,19 @@ class GatewayConnection:
             return 0
         items = list(self.consumers.items())
         count = len(items)
-        left = FILL_BYTES
+        # transfers still waiting for the peer's session windows count against the round: a peer
+        # that keeps its windows shut holds one round's messages, not one per session
+        start = left = FILL_BYTES - self.engine.window_held
         for i in range(self._fill_next, self._fill_next + count):
             link, consumer = items[i % count]
             if consumer.closing:
                 self._forget(link)
                 link.detach(Error(RESOURCE_DELETED, f"channel {consumer.channel_name} was deleted"))
-            elif link.attached and left > 0:
+            elif link.attached and (left > 0 or link.drain or consumer.echo):
                 left -= consumer.fill(now_ns, left)
-                if left <= 0:
+                if left <= 0 < start:
                     self._fill_next = (i + 1) % count
-        return FILL_BYTES - left
+        return max(start, 0) - max(left, 0)
 
     @property
     def publishers_starved(self) -> bool:

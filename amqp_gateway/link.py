@@ -191,8 +191,9 @@ class Link:
         pack_u32 = _U32.pack
         window = session.remote_incoming_window
         pending = session.pending
-        out = session.connection.output
-        sent = 0
+        connection = session.connection
+        out = connection.output
+        sent = held = 0
         for tag, payload in zip(tags, payloads):
             head = heads.get(len(tag))
             if head is None:
@@ -205,7 +206,9 @@ class Link:
                     out.extend(parts)
                     sent += 1
                 else:
-                    pending.append(b"".join(parts))
+                    frame = b"".join(parts)
+                    pending.append(frame)
+                    held += len(frame)
             else:
                 for frame in self._split_transfer(did, tag, settled, payload, limit):
                     if sent < window and not pending:
@@ -213,9 +216,11 @@ class Link:
                         sent += 1
                     else:
                         pending.append(frame)
+                        held += len(frame)
             did = (did + 1) & serial.MASK
         session.next_delivery_id = did
         session.frames_sent(sent)
+        connection.window_held += held
         n = len(tags)
         self.delivery_count = serial.add(self.delivery_count, n)
         self.credit -= n

@@ -5,8 +5,10 @@ open (``INCOMING_WINDOW`` frames, refreshed with a flow once half is used):
 the gateway slows publishers per link with link credit, never per session,
 so a slow topic cannot stall the other links of a session. Our outgoing
 transfers respect the peer's incoming window; frames beyond it wait in
-:attr:`Session.pending` (bounded by what the caller sends: at most a batch
-per link) until a flow widens the window. The flows and the detach of a
+:attr:`Session.pending` until a flow widens the window. Their bytes, over
+all sessions, are the connection's ``window_held``, which the gateway
+counts against its fill rounds: a peer that keeps its windows shut holds
+one round of messages, not one per session. The flows and the detach of a
 link we send on queue up behind them: sent earlier, a detach would leave
 them on an unattached handle and a flow would count transfers the peer has
 not seen. Credit we grant the peer never waits.
@@ -95,7 +97,7 @@ class Session:
     def end(self, error: Error | None = None) -> None:
         if self.end_sent:
             return
-        self.pending.clear()
+        self._drop_pending()
         self.send(End(error))
         self.end_sent = True
 
@@ -140,7 +142,8 @@ class Session:
 
     def _send_pending(self) -> None:
         pending = self.pending
-        out = self.connection.output
+        connection = self.connection
+        out = connection.output
         sent = 0
         while pending:
             frame = pending[0]
@@ -150,11 +153,16 @@ class Session:
                 self.send(self._link_frame(frame[0]))
             elif sent < self.remote_incoming_window:
                 out.append(frame)
+                connection.window_held -= len(frame)
                 sent += 1
             else:
                 break
             pending.popleft()
         self.frames_sent(sent)
+
+    def _drop_pending(self) -> None:
+        self.connection.window_held -= sum(len(frame) for frame in self.pending if type(frame) is not tuple)
+        self.pending.clear()
 
     def _link_frame(self, performative: Any) -> Any:
         """A queued link frame; a flow carries the session's state as it is now, not when it was queued."""
@@ -410,7 +418,7 @@ class Session:
         self.by_handle.clear()
         self.by_remote_handle.clear()
         self.unsettled.clear()
-        self.pending.clear()
+        self._drop_pending()
 
     def fail_link(self, link: Link, error: Error, events: list) -> None:
         """The peer broke a link rule: detach that link only."""

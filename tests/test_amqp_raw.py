@@ -430,6 +430,42 @@ async def test_huge_credit_never_takes_more_than_the_socket_drains_nor_the_budge
         assert channel.in_flight_count == 2500
 
 
+async def test_sessions_whose_windows_stay_shut_hold_one_round_of_messages_not_one_each(tmp_path):
+    """A client that opened 100 sessions with a window of one frame, credit 5 on each, pinned a
+    whole message per session in our buffers (88 MB for 1 MB messages): the rest of each waited
+    for a window that never opened. Now what waits for the windows counts against the rounds."""
+    size, sessions = 100_000, 30
+    async with gateway(tmp_path, mem_queue_size=1000) as nsqd:
+        put(nsqd, "t", "c", [b"m" * size] * (5 * sessions))
+        client = await Client.connect(nsqd.amqp_port, begin=False, max_frame_size=16_384)
+        links = []
+        for _ in range(sessions):  # a message is 7 frames, of which a window lets one through
+            session = client.session = client.conn.begin()
+            await client.until(lambda: session.begin_received)
+            session.keep_window_open = lambda: None
+            session.incoming_window = 1
+            session.send_flow()
+            link = await client.attach(p.RECEIVER, "/topics/t/channels/c")
+            link.flow(5)
+            links.append(link)
+        await client.for_a_while(0.5)
+        channel = nsqd.topics["t"].channels["c"]
+        # what waits for the windows (all but each message's first frame) fills one round
+        # (FILL_BYTES) and the message that crossed it, not a message per session
+        assert 0 < channel.in_flight_count <= FILL_BYTES // (size - 16_384) + 2 < sessions
+        for session in client.conn.sessions.values():
+            session.incoming_window = 10_000
+            session.send_flow()
+        got = []
+        with trio.fail_after(20):
+            while len(got) < 5 * sessions:
+                await client.flush()
+                await client.read()
+                for link in links:
+                    got += client.deliveries(link)
+        assert len(got) == 5 * sessions and all(body_of(d) == b"m" * size for d in got[:3])
+
+
 async def test_a_client_that_never_settles_does_not_grow_our_unsettled_map(tmp_path):
     async with gateway(tmp_path, msg_timeout=0.2) as nsqd:
         put(nsqd, "t", "c", [b"x"] * 1100)
