@@ -74,6 +74,13 @@ IDLE_TIMEOUT = 60.0
 LINGER = 1.0
 #: seconds an amqps client has for its TLS handshake (as an NSQ client's TLS upgrade)
 HANDSHAKE_TIMEOUT = 5.0
+#: seconds a client has from connecting to its ``open`` (headers, SASL), its own time only: a
+#: silent or dribbling socket held a connection slot until the idle cut (RabbitMQ allows 10 s)
+OPEN_TIMEOUT = 10.0
+#: seconds unfinished multi-frame deliveries may hold memory shared with other clients
+#: (``--max-body-memory``, past the connection's free allowance), as an HTTP body must arrive
+#: within 60 s: a client that sent heartbeats and never the last frame held it for good
+PARTIAL_TIMEOUT = 60.0
 
 
 async def serve_amqp(nsqd: Broker, address: str, *, idle_timeout: float = IDLE_TIMEOUT,
@@ -233,11 +240,25 @@ class Driver:
         engine = self.engine
         receive = self.stream.receive_some
         idle = 2 * self.idle_timeout if self.idle_timeout else math.inf
+        open_by = trio.current_time() + OPEN_TIMEOUT
+        partials_by = math.inf
         while not engine.finished:
-            with trio.move_on_after(idle) as scope:
+            deadline = trio.current_time() + idle
+            if not engine.open_received:
+                deadline = min(deadline, open_by)
+            with trio.move_on_at(min(deadline, partials_by)) as scope:
                 data = await receive(RECEIVE_SIZE)
+            now = trio.current_time()
+            if now >= partials_by:
+                gateway.partials_expired(PARTIAL_TIMEOUT)
+                await self._flush(wait=True)
+                break
             if scope.cancelled_caught:
-                gateway.idle_expired()
+                if engine.open_received:
+                    gateway.idle_expired()
+                else:
+                    log.info("AMQP client did not open in time", client=gateway.remote_address)
+                    engine.close(Error(RESOURCE_LIMIT_EXCEEDED, "no open in time"))
                 await self._flush(wait=True)
                 break
             if not data:
@@ -261,6 +282,12 @@ class Driver:
                     break
                 await trio.lowlevel.checkpoint()
                 gateway.receive_data(b"", self.nsqd.now_ns())
+            if not engine.partial_reserved:
+                partials_by = math.inf
+            elif partials_by == math.inf:
+                partials_by = now + PARTIAL_TIMEOUT
+            if engine.close_sent:  # ours, for a fault: a moment for the peer to read it, no more
+                break
         await self._linger()
 
     async def _confirm(self) -> None:

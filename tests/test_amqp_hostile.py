@@ -12,6 +12,7 @@ import trio
 from structlog.testing import capture_logs
 
 from amqp_gateway import codec, events as ev, performatives as p
+from amqp_gateway import server as amqp_server
 from amqp_gateway.connection import Connection
 from amqp_gateway.errors import (
     DECODE_ERROR, FRAMING_ERROR, ILLEGAL_STATE, RESOURCE_LIMIT_EXCEEDED,
@@ -327,4 +328,75 @@ async def test_answers_keep_the_order_of_frames_that_arrive_together(tmp_path, l
     async with gateway(tmp_path) as nsqd:
         said = await everything_said(nsqd.amqp_port, AMQP_HEADER + OPEN + BEGIN + frames, quiet=0.5)
         assert [type(f) for f in performatives(said)[2:]] == expected
+        await still_serving(nsqd)
+
+
+async def hung_up_within(stream: trio.SocketStream, seconds: float) -> bool:
+    """Read (and drop) what the gateway sends until it hangs up; False if it did not in time."""
+    with trio.move_on_after(seconds):
+        with contextlib.suppress(trio.BrokenResourceError):
+            while await stream.receive_some(65536):
+                pass
+        return True
+    return False
+
+
+async def test_unfinished_deliveries_hold_shared_memory_only_for_a_while(tmp_path, logs, monkeypatch):
+    """A client that sent heartbeats and never the last frame of its deliveries kept --max-body-memory
+    taken for good (others' big publishes were refused until it left); now PARTIAL_TIMEOUT."""
+    monkeypatch.setattr(amqp_server, "PARTIAL_TIMEOUT", 0.5)
+    async with gateway(tmp_path, max_body_memory=2 * 1024 * 1024) as nsqd:
+        budget = nsqd.body_budget
+        holder = await Client.connect(nsqd.amqp_port)
+        for index in range(3):  # 2.7 MB held, 1.65 MB of it past the free 1 MiB
+            start_unfinished(await holder.attach(p.SENDER, f"/topics/held{index}"))
+        await holder.flush()
+        await eventually(lambda: budget.used > 0)
+        started = trio.current_time()
+        with trio.fail_after(5):
+            while not holder.conn.close_received:  # heartbeats only, as the attacker sent
+                await holder.stream.send_all(b"\x00\x00\x00\x08\x02\x00\x00\x00")
+                with trio.move_on_after(0.1):
+                    await holder.read()
+        (closed,) = holder.take(ev.ConnectionClosed)
+        assert closed.error.condition == RESOURCE_LIMIT_EXCEEDED
+        assert "unfinished deliveries" in closed.error.description
+        assert 0.4 < trio.current_time() - started < 3
+        await eventually(lambda: budget.used == 0)
+        assert await hung_up_within(holder.stream, 3)
+        await still_serving(nsqd)
+
+
+async def test_a_client_that_does_not_open_in_time_is_hung_up_on(tmp_path, logs, monkeypatch):
+    """Silent sockets, or one dribbling a header byte now and then, held connection slots (shared
+    with NSQ clients) until the idle cut, 120 s; now OPEN_TIMEOUT from connecting (RabbitMQ: 10 s)."""
+    monkeypatch.setattr(amqp_server, "OPEN_TIMEOUT", 0.5)
+    async with gateway(tmp_path) as nsqd:
+        silent = await trio.open_tcp_stream("127.0.0.1", nsqd.amqp_port)
+        dribbling = await trio.open_tcp_stream("127.0.0.1", nsqd.amqp_port)
+        await dribbling.send_all(AMQP_HEADER[:1])
+        started = trio.current_time()
+        assert await hung_up_within(silent, 3) and await hung_up_within(dribbling, 3)
+        assert trio.current_time() - started < 3
+        client = await Client.connect(nsqd.amqp_port)  # a client that opens is not affected
+        await trio.sleep(0.8)
+        await client.attach(p.SENDER, "/topics/t")
+        await client.aclose()
+        await still_serving(nsqd)
+
+
+async def test_after_our_close_for_a_fault_the_gateway_hangs_up_without_waiting_for_the_peer(tmp_path, logs):
+    """A close for a fault (here a frame our peer's max-frame-size cannot take) was followed by the
+    idle cut, 120 s later, when the peer did not answer it; now by LINGER."""
+    async with gateway(tmp_path) as nsqd:
+        client = await Client.connect(nsqd.amqp_port, max_frame_size=512)
+        link = client.session.attach("n" * 600, p.RECEIVER)
+        link.attach(p.Source("/topics/t/channels/c"), p.Target())
+        await client.flush()
+        with trio.fail_after(5):
+            while not client.conn.close_received:
+                await client.read()  # never answered: read() does not send
+        started = trio.current_time()
+        assert await hung_up_within(client.stream, 5)
+        assert trio.current_time() - started < amqp_server.LINGER + 1
         await still_serving(nsqd)
