@@ -209,6 +209,16 @@ async def test_unfinished_multi_frame_deliveries_on_many_links_close_the_connect
         await still_serving(nsqd)
 
 
+async def holder_of_shared_memory(nsqd) -> Client:
+    """A client with three unfinished deliveries: 2.7 MB held, 1.65 MB of it past the free 1 MiB."""
+    holder = await Client.connect(nsqd.amqp_port)
+    for index in range(3):
+        start_unfinished(await holder.attach(p.SENDER, f"/topics/held{index}"))
+    await holder.flush()
+    await eventually(lambda: nsqd.body_budget.used == 2_700_000 - 1024 * 1024)
+    return holder
+
+
 async def test_unfinished_deliveries_share_the_daemons_body_memory(tmp_path, logs):
     """What a connection holds of unfinished multi-frame deliveries past 1 MiB comes from
     --max-body-memory, which NSQ TCP and HTTP bodies share. A delivery that finds no room is not
@@ -216,11 +226,7 @@ async def test_unfinished_deliveries_share_the_daemons_body_memory(tmp_path, log
     memory is free the same message is accepted."""
     async with gateway(tmp_path, max_body_memory=2 * 1024 * 1024) as nsqd:
         budget = nsqd.body_budget
-        holder = await Client.connect(nsqd.amqp_port)
-        for index in range(3):  # 2.7 MB held, 1.65 MB of it past the free 1 MiB
-            start_unfinished(await holder.attach(p.SENDER, f"/topics/held{index}"))
-        await holder.flush()
-        await eventually(lambda: budget.used == 2_700_000 - 1024 * 1024)
+        holder = await holder_of_shared_memory(nsqd)
 
         client = await Client.connect(nsqd.amqp_port)
         start_unfinished(await client.attach(p.SENDER, "/topics/unfinished"))
@@ -347,11 +353,7 @@ async def test_unfinished_deliveries_hold_shared_memory_only_for_a_while(tmp_pat
     monkeypatch.setattr(amqp_server, "PARTIAL_TIMEOUT", 0.5)
     async with gateway(tmp_path, max_body_memory=2 * 1024 * 1024) as nsqd:
         budget = nsqd.body_budget
-        holder = await Client.connect(nsqd.amqp_port)
-        for index in range(3):  # 2.7 MB held, 1.65 MB of it past the free 1 MiB
-            start_unfinished(await holder.attach(p.SENDER, f"/topics/held{index}"))
-        await holder.flush()
-        await eventually(lambda: budget.used > 0)
+        holder = await holder_of_shared_memory(nsqd)
         started = trio.current_time()
         with trio.fail_after(5):
             while not holder.conn.close_received:  # heartbeats only, as the attacker sent
