@@ -53,6 +53,9 @@ if TYPE_CHECKING:
 log = structlog.get_logger("amqp_gateway")
 
 CONTAINER_ID = "nsqd"
+#: links one connection may have attached (consuming and publishing): 255 sessions of 255 links
+#: each made 65,025 consumers on one connection, 175 MB and seconds of the event loop to attach
+MAX_LINKS = 1024
 #: frames the engine handles per step: a read of thousands of tiny frames is worked through in
 #: steps, and the I/O layer yields between them
 STEP_FRAMES = 128
@@ -214,6 +217,8 @@ class GatewayConnection:
             link.refuse(None)
             return
         try:
+            if len(self.consumers) + len(self.publishers) >= MAX_LINKS:
+                raise LinkRefused(RESOURCE_LIMIT_EXCEEDED, f"a connection may have at most {MAX_LINKS} links")
             if link.is_sender:
                 self._attach_consumer(link, now_ns)
             else:

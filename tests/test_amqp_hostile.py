@@ -12,7 +12,7 @@ import trio
 from structlog.testing import capture_logs
 
 from amqp_gateway import codec, events as ev, performatives as p
-from amqp_gateway import server as amqp_server
+from amqp_gateway import gateway as amqp_gateway_module, server as amqp_server
 from amqp_gateway.connection import Connection
 from amqp_gateway.errors import (
     DECODE_ERROR, FRAMING_ERROR, ILLEGAL_STATE, RESOURCE_LIMIT_EXCEEDED,
@@ -401,4 +401,25 @@ async def test_after_our_close_for_a_fault_the_gateway_hangs_up_without_waiting_
         started = trio.current_time()
         assert await hung_up_within(client.stream, 5)
         assert trio.current_time() - started < amqp_server.LINGER + 1
+        await still_serving(nsqd)
+
+
+async def test_a_connection_may_attach_at_most_max_links(tmp_path, logs, monkeypatch):
+    """255 sessions of 255 links each made 65,025 consumers on one connection (175 MB, seconds of
+    the event loop); past MAX_LINKS an attach is refused with resource-limit-exceeded, and a link
+    that goes makes room for another."""
+    monkeypatch.setattr(amqp_gateway_module, "MAX_LINKS", 5)
+    async with gateway(tmp_path) as nsqd:
+        client = await Client.connect(nsqd.amqp_port)
+        links = [await client.attach(p.RECEIVER, f"/topics/t/channels/c{i}") for i in range(4)]
+        links.append(await client.attach(p.SENDER, "/topics/t"))
+        refused = await client.attach(p.RECEIVER, "/topics/t/channels/c9")
+        await client.until(lambda: refused.detach_received)
+        (detached,) = client.take(ev.LinkDetached, refused)
+        assert detached.error.condition == RESOURCE_LIMIT_EXCEEDED and "at most 5 links" in detached.error.description
+        assert len(nsqd.topics["t"].channels) == 4
+        links[0].detach()
+        await client.until(lambda: links[0].detach_received)
+        again = await client.attach(p.RECEIVER, "/topics/t/channels/c9")
+        assert again.remote_attach.source is not None and "c9" in nsqd.topics["t"].channels
         await still_serving(nsqd)
