@@ -238,7 +238,8 @@ class Channel:
     def unsubscribe(self, sub: Subscription) -> None:
         """Forget a subscription; its unfinished messages go back to the head of the queue.
 
-        They count in ``timeout_count``: nsqd leaves them in flight until they time out.
+        They count in ``timeout_count``, and each as a failed delivery: nsqd leaves them in flight
+        until they time out.
         """
         if self.subscriptions.pop(sub.id, None) is None:
             return
@@ -249,6 +250,8 @@ class Channel:
         items = sub.in_flight.drain()
         if items and not self.exiting:
             self.timeout_count += len(items)
+            for frame, _ in items:  # a failed delivery, as a timeout is (AMQP's delivery-count)
+                self.count_failure(message.frame_id(frame))
             self._give_back(items)
         self.settled()
         if not self.subscriptions and self.ephemeral and self._on_last_consumer_gone is not None:

@@ -306,6 +306,7 @@ async def test_first_acquirer_is_true_on_a_first_delivery_only(tmp_path):
         await nsq.sub("fa", "c")
         await nsq.command("RDY 1")
         taken = await nsq.read_message()
+        await nsq.command("RDY 0")  # not delivered to it again: it leaves holding nothing
         await nsq.command(b"REQ " + taken.id + b" 0")  # an NSQ consumer had it first
         await nsq.close()
         await eventually(lambda: nsqd.topics["fa"].channels["c"].depth == 1)
