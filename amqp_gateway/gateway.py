@@ -39,10 +39,12 @@ from .addresses import channel_address, terminus, topic_address
 from .connection import MAX_PARTIAL_BYTES, Connection
 from .consumer import FILL_BYTES, LinkConsumer
 from .errors import (
-    RESOURCE_DELETED, RESOURCE_LIMIT_EXCEEDED, UNAUTHORIZED_ACCESS, LinkRefused,
+    INVALID_FIELD, RESOURCE_DELETED, RESOURCE_LIMIT_EXCEEDED, UNAUTHORIZED_ACCESS, LinkRefused,
 )
 from .link import Link
-from .performatives import RCV_FIRST, RCV_SECOND, SND_SETTLED, SND_UNSETTLED, Attach, Error, Source, Target
+from .performatives import (
+    RCV_FIRST, RCV_SECOND, SND_MIXED, SND_SETTLED, SND_UNSETTLED, Attach, Error, Source, Target,
+)
 from .publisher import SECTIONS_ALLOWANCE, LinkPublisher, Pending
 from .sasl import Authenticate, SaslServer
 
@@ -217,6 +219,11 @@ class GatewayConnection:
             link.refuse(None)
             return
         try:
+            attach = link.remote_attach
+            if (attach.snd_settle_mode not in (SND_UNSETTLED, SND_SETTLED, SND_MIXED)
+                    or attach.rcv_settle_mode not in (RCV_FIRST, RCV_SECOND)):
+                raise LinkRefused(INVALID_FIELD, f"settle modes {attach.snd_settle_mode}/{attach.rcv_settle_mode} "
+                                                 "are not sender-settle-mode 0-2 and receiver-settle-mode 0-1")
             if len(self.consumers) + len(self.publishers) >= MAX_LINKS:
                 raise LinkRefused(RESOURCE_LIMIT_EXCEEDED, f"a connection may have at most {MAX_LINKS} links")
             if link.is_sender:

@@ -15,7 +15,7 @@ from amqp_gateway import codec, events as ev, performatives as p
 from amqp_gateway import gateway as amqp_gateway_module, server as amqp_server
 from amqp_gateway.connection import Connection
 from amqp_gateway.errors import (
-    DECODE_ERROR, FRAMING_ERROR, ILLEGAL_STATE, RESOURCE_LIMIT_EXCEEDED,
+    DECODE_ERROR, FRAMING_ERROR, ILLEGAL_STATE, INVALID_FIELD, RESOURCE_LIMIT_EXCEEDED,
 )
 from amqp_gateway.framing import AMQP_HEADER, SASL_HEADER, TYPE_SASL, encode_frame
 
@@ -422,4 +422,18 @@ async def test_a_connection_may_attach_at_most_max_links(tmp_path, logs, monkeyp
         await client.until(lambda: links[0].detach_received)
         again = await client.attach(p.RECEIVER, "/topics/t/channels/c9")
         assert again.remote_attach.source is not None and "c9" in nsqd.topics["t"].channels
+        await still_serving(nsqd)
+
+
+@pytest.mark.parametrize("snd, rcv", [(7, 0), (0, 9)])
+async def test_an_attach_with_settle_modes_the_spec_does_not_have_is_refused(tmp_path, logs, snd, rcv):
+    """snd-settle-mode 7 and rcv-settle-mode 9 were attached as if valid (the spec has 0-2 and 0-1)."""
+    async with gateway(tmp_path) as nsqd:
+        client = await Client.connect(nsqd.amqp_port)
+        link = client.session.attach("odd", p.RECEIVER)
+        link.attach(p.Source("/topics/t/channels/c"), p.Target(), snd_settle_mode=snd, rcv_settle_mode=rcv)
+        await client.until(lambda: link.detach_received)
+        (detached,) = client.take(ev.LinkDetached, link)
+        assert detached.error.condition == INVALID_FIELD and "settle modes" in detached.error.description
+        assert "t" not in nsqd.topics or "c" not in nsqd.topics["t"].channels  # nothing subscribed
         await still_serving(nsqd)
