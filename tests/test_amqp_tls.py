@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 from contextlib import asynccontextmanager
 
@@ -22,6 +24,7 @@ def _certs() -> tuple[dict, dict]:
     ca, stranger = trustme.CA(), trustme.CA()
     cert, client = ca.issue_cert("127.0.0.1"), ca.issue_cert("client.example")
     folder = tempfile.mkdtemp(prefix="nsqd-amqps-")
+    atexit.register(shutil.rmtree, folder, True)  # made at import: removed when the test run ends
     paths = {name: f"{folder}/{name}.pem" for name in ("cert", "key", "ca", "stranger", "client", "client_key")}
     cert.cert_chain_pems[0].write_to_path(paths["cert"])
     cert.private_key_pem.write_to_path(paths["key"])

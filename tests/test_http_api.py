@@ -4,7 +4,9 @@ Expected statuses, messages and JSON keys are Go nsqd 1.3's (nsqd/http.go,
 nsqd/stats.go, nsqd/http_test.go).
 """
 
+import atexit
 import json
+import shutil
 import time
 
 import pytest
@@ -151,6 +153,7 @@ def _server_certs() -> dict:
     ca = trustme.CA()
     cert = ca.issue_cert("127.0.0.1")
     folder = tempfile.mkdtemp(prefix="nsqd-http-tls-")
+    atexit.register(shutil.rmtree, folder, True)  # made at import: removed when the test run ends
     paths = {name: f"{folder}/{name}.pem" for name in ("cert", "key", "ca")}
     cert.cert_chain_pems[0].write_to_path(paths["cert"])
     cert.private_key_pem.write_to_path(paths["key"])
