@@ -3,9 +3,10 @@
 import signal
 import time
 
+import pytest
 import trio
 
-from .support import Daemon, NSQConnection
+from .support import Daemon, NSQConnection, consume_distinct, free_port
 
 
 async def restarted(tmp_path, *flags) -> tuple[Daemon, NSQConnection]:
@@ -81,3 +82,37 @@ async def test_what_the_http_api_created_or_deleted_holds_after_a_sigkill_right_
         assert topics == {"t": ["a", "new"]}
     finally:
         assert await daemon.stop() == 0
+
+
+@pytest.mark.parametrize("flags, durable_header", [
+    (("--mem-queue-size=0",), False),  # accepted once written, as an NSQ OK
+    (("--durable",), False),           # accepted once fsynced
+    ((), True),                        # default flags: a message marked durable is fsynced before accepted
+], ids=["mem-queue-size-0", "durable", "durable-header"])
+async def test_what_amqp_accepted_survives_a_sigkill_right_after(tmp_path, flags, durable_header):
+    """An AMQP publisher's ``accepted`` is the same promise as an NSQ OK (and a message whose header
+    says durable is fsynced first, whatever the flags): a SIGKILL at once loses none of them."""
+    from proton import Message
+    from proton.utils import BlockingConnection
+
+    amqp_port = free_port()
+    daemon = Daemon(tmp_path, f"--amqp-address=127.0.0.1:{amqp_port}", *flags)
+    await daemon.wait_ready()
+
+    def publish() -> None:
+        conn = BlockingConnection(f"127.0.0.1:{amqp_port}", timeout=10)
+        sender = conn.create_sender("/topics/t")
+        for i in range(300):  # each send returns once the daemon settled it accepted
+            sender.send(Message(body=b"m%d" % i, durable=durable_header))
+        conn.close()
+
+    conn = await NSQConnection.open(daemon.port)
+    await conn.sub("t", "c")  # the channel exists before the publishes
+    await trio.to_thread.run_sync(publish)
+    assert await daemon.stop(signal.SIGKILL) == -signal.SIGKILL
+
+    daemon = Daemon(tmp_path, *flags)
+    await daemon.wait_ready()
+    got = await consume_distinct(daemon.port, "t", "c", 300)
+    assert got == {b"m%d" % i for i in range(300)}
+    assert await daemon.stop() == 0
