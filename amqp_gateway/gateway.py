@@ -297,15 +297,15 @@ class GatewayConnection:
         self.on_wake()
 
     # ---------------------------------------------------------------- output
-    def fill(self, now_ns: int) -> int:
+    def fill(self, now_ns: int) -> None:
         """One batch per consuming link, ``FILL_BYTES`` for them all less what waits for the peer's
-        session windows (detaching those whose channel went); returns the bytes of the messages sent.
+        session windows (detaching those whose channel went).
 
         A round that runs out of bytes ends at that link; the next round starts
         with the link after it, so every link gets its turn.
         """
         if self.engine.close_sent:
-            return 0
+            return
         items = list(self.consumers.items())
         count = len(items)
         # transfers still waiting for the peer's session windows count against the round: a peer
@@ -320,7 +320,6 @@ class GatewayConnection:
                 left -= consumer.fill(now_ns, left)
                 if left <= 0 < start:
                     self._fill_next = (i + 1) % count
-        return max(start, 0) - max(left, 0)
 
     @property
     def publishers_starved(self) -> bool:

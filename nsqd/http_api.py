@@ -692,27 +692,26 @@ class HTTPAPI:
             else:
                 raise HTTPError(400, "INVALID_OPTION")
             log.info("option changed", option=opt, value=opts.config_value(opt))
-        started = self._started_values().get(opt)
-        if started is not None:
-            return Body(str(started).encode(), JSON_TYPE) if type(started) is int else text_body(started)
         data = opts.config_json(opt)
         if data is None:
             raise HTTPError(400, "INVALID_OPTION")
+        data = self._as_started(opt, data)
         if isinstance(opts.config_value(opt), str):
             return text_body(data)
         return Body(data, JSON_TYPE)
 
-    def _started_values(self) -> dict[str, int | str]:
-        """The options Go's New rewrites once it listens, as /config reports them: the broadcast
+    def _as_started(self, opt: str, data: bytes) -> bytes:
+        """An option Go's New rewrites once it listens, as /config then reports it: the broadcast
         ports (0: the bound ones) and the statsd prefix (``%s``: the host key, a dot at the end)."""
         nsqd = self.nsqd
-        opts = nsqd.options
-        return {
-            "broadcast_tcp_port": nsqd.broadcast_tcp_port,
-            "broadcast_http_port": nsqd.broadcast_http_port,
-            "statsd_prefix": statsd.metric_prefix(opts.statsd_prefix, opts.broadcast_address,
-                                                  nsqd.broadcast_http_port),
-        }
+        if opt == "broadcast_tcp_port":
+            return b"%d" % nsqd.broadcast_tcp_port
+        if opt == "broadcast_http_port":
+            return b"%d" % nsqd.broadcast_http_port
+        if opt == "statsd_prefix":
+            opts = nsqd.options
+            return statsd.metric_prefix(opts.statsd_prefix, opts.broadcast_address, nsqd.broadcast_http_port).encode()
+        return data
 
 
 def _lookupd_addresses(body: bytes) -> list[str]:

@@ -199,8 +199,7 @@ class HTTPServer:
         #: connections waiting for more of a request body, or on another server for the app, and since
         #: when, longest wait first: closed at the cap once they have waited BODY_EVICTION_WAIT and no
         #: connection waits for a head
-        self._waiting_for_body: dict[_Connection, float] = {}
-        self._waiting_elsewhere: dict[_Connection, float] = {}
+        self._stalled: dict[_Connection, float] = {}
         self._refusing = 0
         self._refused = 0
         self._refusal_logged_at = -REFUSAL_LOG_INTERVAL
@@ -240,18 +239,11 @@ class HTTPServer:
         if self._waiting:
             connection = next(iter(self._waiting))
             del self._waiting[connection]
+        elif self._stalled and next(iter(self._stalled.values())) <= trio.current_time() - BODY_EVICTION_WAIT:
+            connection = next(iter(self._stalled))
+            del self._stalled[connection]
         else:
-            oldest = trio.current_time() - BODY_EVICTION_WAIT
-            stalled = None
-            for waiting in (self._waiting_for_body, self._waiting_elsewhere):
-                if waiting:
-                    since = next(iter(waiting.values()))
-                    if since <= oldest:
-                        oldest, stalled = since, waiting
-            if stalled is None:
-                return False
-            connection = next(iter(stalled))
-            del stalled[connection]
+            return False
         self._connections.discard(connection)
         connection.evict()
         return True
@@ -346,7 +338,7 @@ class _Connection:
         """Request.waiting_elsewhere: the app waits on another server; evictable at the cap."""
         if self._evicted:
             raise Evicted()
-        waiting = self.server._waiting_elsewhere
+        waiting = self.server._stalled
         with trio.CancelScope() as scope:
             self._elsewhere = scope
             waiting[self] = trio.current_time()
@@ -373,8 +365,7 @@ class _Connection:
         finally:
             self.server._connections.discard(self)
             self.server._waiting.pop(self, None)
-            self.server._waiting_for_body.pop(self, None)
-            self.server._waiting_elsewhere.pop(self, None)
+            self.server._stalled.pop(self, None)
             try:
                 if self._linger:
                     await _linger(self.raw_stream)
@@ -544,7 +535,7 @@ class _Connection:
                 await self._send(conn.send(h11.InformationalResponse(
                     status_code=100, headers=[(b"Date", self.server.date())], reason=b"Continue")))
             self._set_deadline("body", self._body_deadline)
-            waiting = self.server._waiting_for_body
+            waiting = self.server._stalled
             waiting[self] = trio.current_time()
             try:
                 data = await self.stream.receive_some(RECEIVE_SIZE)

@@ -724,7 +724,6 @@ class Connection:
         finally:
             self._turn.give_back()
 
-
     def _next_tick(self, now: float) -> float:
         """When Go's output buffer ticker next fires for held messages: its kept tick, if one
         fired since it was last taken (then at once), else the next one."""
