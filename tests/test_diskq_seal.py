@@ -5,6 +5,7 @@ Without this a drained queue kept its last segment (up to
 never got back however much the consumers read.
 """
 
+import pytest
 import trio
 
 from nsqd.diskq import DiskQueue, queue as queue_module
@@ -117,3 +118,19 @@ def test_reading_a_big_segment_to_its_end_seals_it(tmp_path, monkeypatch):
     assert drain(queue) == payloads(1, start=30)
     queue.close()
     assert len(segments(tmp_path)) == 1  # the read one went at the close's checkpoint
+
+
+
+@pytest.mark.parametrize("mark,value", [("SEAL_DRAINED", 2000), ("LOW_SPACE", 1 << 62)])
+def test_a_read_that_takes_exactly_the_last_records_seals_too(tmp_path, monkeypatch, mark, value):
+    """The read that reaches the end may take a full batch: it is the last one all the same (no
+    read follows a drained queue), so it must seal, or a nearly full disk never got its room back.
+    (A big segment, or any segment while the file system is "nearly full".)"""
+    monkeypatch.setattr(queue_module, mark, value)
+    queue = DiskQueue("q", tmp_path)
+    queue.put_many(payloads(30))  # 3 KB
+    first = segments(tmp_path)
+    assert queue.read_many(30) == payloads(30)  # exactly what is there, in one batch
+    queue.put_many(payloads(1, start=30))
+    assert segments(tmp_path) != first and len(segments(tmp_path)) == 2
+    queue.close()

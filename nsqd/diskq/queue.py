@@ -420,7 +420,7 @@ class DiskQueue:
             self._count_op(len(records))
         if reader.segment != segment:  # a segment was read through: it may be released
             self._request_checkpoint()
-        if len(records) < max_count:
+        if len(records) < max_count or reader.caught_up:  # read to the end (maybe with a full batch)
             self._reconcile_depth()
             end = self._writer.end
             if end >= SEAL_DRAINED:
