@@ -208,6 +208,35 @@ def test_missing_read_segment_starts_at_the_next_one(tmp_path):
     queue.close()
 
 
+
+@pytest.mark.parametrize("read_first", [0, 7])
+def test_records_lost_with_a_missing_middle_segment_are_counted(tmp_path, read_first):
+    """A segment gone from between the read and write positions took its records: they are
+    counted as damage (in /stats and /metrics), not only logged; every other record is delivered."""
+    items = payloads(100)
+    spans = record_spans(tmp_path, items)
+    queue = open_queue(tmp_path)
+    queue.put_many(items)
+    assert queue.read_many(read_first) == items[:read_first]
+    queue.close()
+    files = sorted({span[0] for span in spans})
+    assert len(files) >= 4
+    middle = files[len(files) // 2]
+    middle.unlink()
+    lost = sum(1 for span in spans if span[0] == middle)
+    queue = open_queue(tmp_path)
+    with structlog.testing.capture_logs() as logs:
+        expected = [item for item, span in zip(items, spans) if span[0] != middle][read_first:]
+        assert queue.depth == len(expected)
+        assert drain(queue) == expected
+    stats = queue.statistics()
+    assert stats.corrupt_records_skipped == lost
+    assert not any(entry["event"] == "diskq_damaged_record_skipped" for entry in logs)
+    queue.close()
+    queue = open_queue(tmp_path)  # counted once: the next start finds nothing missing
+    assert queue.statistics().corrupt_records_skipped == 0
+    queue.close()
+
 def test_leftover_read_segments_are_removed(tmp_path):
     items = payloads(100)
     write_queue(tmp_path, items)

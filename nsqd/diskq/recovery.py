@@ -28,6 +28,9 @@ from .records import (
     segment_header,
 )
 
+#: why the metadata is not trusted when records were lost with the files (see _Recovery.run)
+SEGMENTS_MISSING = "segments between read and write position are missing"
+
 
 @dataclass(frozen=True)
 class RecoveredState:
@@ -87,12 +90,17 @@ class _Recovery:
                 if release_position > self.sizes[release_segment]:
                     release_position = SEGMENT_HEADER_SIZE
                 kept_count = meta.kept_count
-        trusted = meta is not None and self._trust_write_side(meta, segments, read_segment, read_position)
+        distrust = self._distrust(meta, read_segment, read_position) if meta is not None else "no metadata"
+        trusted = distrust is None
         if trusted:
             scan_segment, scan_position, depth = meta.write_segment, meta.write_position, meta.depth
         else:
             scan_segment, scan_position, depth = read_segment, read_position, 0
             self.log.warning("diskq_recounting_depth", from_segment=read_segment, from_position=read_position)
+        # segments gone from between matching read and write positions took records with them:
+        # the saved depth less what is left before the saved write position is a count of the loss
+        counting_loss = distrust == SEGMENTS_MISSING
+        found_before_saved_end = 0
 
         tail = segments[-1]
         write_segment, write_position = tail, SEGMENT_HEADER_SIZE
@@ -100,12 +108,23 @@ class _Recovery:
             if segment < scan_segment:
                 continue
             start = max(scan_position if segment == scan_segment else 0, SEGMENT_HEADER_SIZE)
+            if counting_loss and segment == meta.write_segment and start < meta.write_position:
+                before = self._scan(segment, start, meta.write_position)
+                found_before_saved_end += before.records
+                depth += before.records
+                start = meta.write_position
             found = self._scan(segment, start)
             depth += found.records
+            if counting_loss and segment < meta.write_segment:
+                found_before_saved_end += found.records
             if segment == tail:
                 write_position = found.end
                 if self.sizes[segment] > found.end:
                     self._truncate_tail(segment, found.end)
+        if counting_loss and meta.depth > found_before_saved_end:
+            lost = meta.depth - found_before_saved_end
+            self.log.warning("diskq_records_lost_with_missing_segments", records=lost)
+            self.damaged_records += lost
         if scan_segment > tail:
             # The saved write segment was never created: nothing was written there.
             write_segment, write_position = scan_segment, 0
@@ -176,30 +195,29 @@ class _Recovery:
             return meta.read_segment, SEGMENT_HEADER_SIZE
         return segments[0], SEGMENT_HEADER_SIZE
 
-    def _trust_write_side(self, meta: Metadata, segments: list[int], read_segment: int, read_position: int) -> bool:
-        """Whether the saved depth still counts the records up to the saved write position."""
+    def _distrust(self, meta: Metadata, read_segment: int, read_position: int) -> str | None:
+        """Why the saved depth may not count the records up to the saved write position (None: it does)."""
         reason = None
         if (read_segment, read_position) != (meta.read_segment, max(meta.read_position, SEGMENT_HEADER_SIZE)):
             reason = "read position does not match the files"
         elif (meta.write_segment, max(meta.write_position, SEGMENT_HEADER_SIZE)) < (read_segment, read_position):
             reason = "write position is before the read position"
         elif any(s not in self.sizes for s in range(meta.read_segment, meta.write_segment)):
-            reason = "segments between read and write position are missing"
+            reason = SEGMENTS_MISSING
         elif meta.write_position > self.sizes.get(meta.write_segment, 0):
             reason = "write position is past the end of its segment"
         if reason is not None:
             self.log.warning("diskq_metadata_disagrees_with_files", reason=reason, metadata=str(meta))
-            return False
-        return True
+        return reason
 
-    def _scan(self, segment: int, start: int) -> ScanResult:
+    def _scan(self, segment: int, start: int, limit: int | None = None) -> ScanResult:
         """Count records from ``start``; records found are fsynced, as the writer may have died before."""
         fd = os.open(self.files.segment_path(segment), os.O_RDONLY | os.O_CLOEXEC)
         try:
             found = scan_records(
                 lambda position, size: os.pread(fd, size, position),
                 start,
-                self.sizes[segment],
+                self.sizes[segment] if limit is None else min(limit, self.sizes[segment]),
                 self.min_size,
                 self.max_size,
             )
