@@ -55,6 +55,8 @@ class LinkConsumer:
         self.closing = False
         #: the client asked for a flow (echo) that the next fill answers
         self.echo = False
+        #: the last fill stopped for a budget with credit left (see Subscription.stopped_short)
+        self.stopped_short = False
         #: deliveries that timed out since the session's unsettled map was last pruned
         self.stale = 0
         # what /stats reads (ClientV2's attributes)
@@ -135,13 +137,15 @@ class LinkConsumer:
         sub = self.sub
         want = min(link.credit, link.session.outgoing_room, FILL_BATCH) if max_bytes > 0 else 0
         sent = nbytes = 0
+        self.stopped_short = False
         if want > 0:
             pieces = sub.take(want, now_ns, max_bytes)
             if pieces:
                 sent = self._send(pieces)
-                nbytes = sub.taken_bytes
+            nbytes = sub.taken_bytes
+            self.stopped_short = sent < want and sub.stopped_short  # the writer comes back for more
         link.available = sub.available
-        dry = sent < want and nbytes < max_bytes  # not just cut short by bytes (the writer comes back)
+        dry = sent < want and not self.stopped_short
         # the channel ran dry: the rest of the credit is used up (a flow needs no room in the
         # session window, so a drain is answered even while the window holds transfers back)
         if link.drain and link.credit > 0 and (dry or not link.available):

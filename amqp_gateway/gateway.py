@@ -92,6 +92,9 @@ class GatewayConnection:
         self.consumers: dict[Link, LinkConsumer] = {}
         #: where the next fill round starts among the consumers (see :meth:`fill`)
         self._fill_next = 0
+        #: a link's part of the last round stopped for a budget with credit left: the driver
+        #: comes back for more, after a checkpoint, even if the round sent nothing
+        self.stopped_short = False
         self.publishers: dict[Link, LinkPublisher] = {}
         #: every receiving link's messages in flight count in one budget: --max-rdy-count per connection
         self.budget = Budget(nsqd.options.max_rdy_count)
@@ -304,6 +307,7 @@ class GatewayConnection:
         A round that runs out of bytes ends at that link; the next round starts
         with the link after it, so every link gets its turn.
         """
+        self.stopped_short = False
         if self.engine.close_sent:
             return
         items = list(self.consumers.items())
@@ -318,6 +322,7 @@ class GatewayConnection:
                 link.detach(Error(RESOURCE_DELETED, f"channel {consumer.channel_name} was deleted"))
             elif link.attached and (left > 0 or link.drain or consumer.echo):
                 left -= consumer.fill(now_ns, left)
+                self.stopped_short = self.stopped_short or consumer.stopped_short
                 if left <= 0 < start:
                     self._fill_next = (i + 1) % count
 

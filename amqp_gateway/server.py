@@ -354,7 +354,11 @@ class Driver:
         try:
             while True:
                 gateway.fill(now_ns())
+                if gateway.stopped_short:  # other connections run before the next round
+                    await trio.lowlevel.checkpoint()
                 if not engine.output:
+                    if gateway.stopped_short:
+                        continue
                     return
                 data = engine.data_to_send()
                 with trio.fail_after(self.idle_timeout or math.inf):

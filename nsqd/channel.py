@@ -58,7 +58,7 @@ from .in_flight import Item, pieces
 from .leases import Leases
 from .logs import LogThrottle
 from .policy import ChannelPolicy
-from .subscription import Budget, Consumer, Subscription, keep_sample
+from .subscription import EXAMINE_STEP, Budget, Consumer, Subscription, keep_sample
 
 if TYPE_CHECKING:
     from .diskq import DiskQueue
@@ -80,10 +80,6 @@ DEFERRED_INDEX = 100_000
 #: small publishes (single PUBs) are appended to the last chunk up to this size, so a queue of
 #: single messages is a few hundred chunks, not thousands (cheaper takes and checkpoints)
 COALESCE = 64
-
-
-def _bytes_of(pieces: list[Piece]) -> int:
-    return sum(sum(map(len, frames)) for _, frames, _ in pieces)
 
 
 def _fitting(frames: list[bytes], start: int, end: int, max_bytes: float) -> int:
@@ -460,21 +456,24 @@ class Channel:
         """Up to ``n`` messages for ``sub`` as chunk slices (the subscription records them).
 
         A subscription that gets fewer than it asked for is remembered as
-        hungry and woken when messages arrive, unless ``max_bytes`` cut the
-        take short: it stops at the message that reaches ``max_bytes`` (from
-        disk, within one scan window of it), and the caller comes back for
-        more once it has written these. Memory and disk take turns when
+        hungry and woken when messages arrive, unless a budget stopped the
+        take short (``sub.stopped_short``): it stops at the message that
+        reaches ``max_bytes`` (from disk, within one scan window of it;
+        expired messages count), or once it went through ``EXAMINE_STEP``
+        messages dropping expired ones, and the caller comes back for more. Memory and disk take turns when
         both hold messages, so neither starves (nsqd gives no ordering
         guarantee either). Messages past the channel's TTL are dropped here,
         never delivered.
         """
         pieces: list[Piece] = []
         sub.taken_bytes = 0
+        sub.stopped_short = False
         if self.paused or self.exiting or self.draining:
             return pieces
         want = n
         ttl_ns = self.policy.ttl_ns
         left = max_bytes
+        examined = 0
         while True:
             batch: list[Piece] = []
             taken, nbytes = self._take_some(want, batch, now_ns, left)
@@ -482,15 +481,18 @@ class Channel:
             if ttl_ns and taken:
                 batch = self._unexpired(batch, now_ns - ttl_ns)
                 got = sum(len(ids) for ids, _, _ in batch)
-                nbytes = _bytes_of(batch)
             pieces += batch
             want -= got
-            left -= nbytes
+            left -= nbytes  # expired messages' bytes too: a take's work is bounded, not only what it gives
+            examined += taken
             sub.taken_bytes += nbytes
-            if got == taken or want <= 0 or left <= 0:  # nothing expired, or enough
+            if got == taken or want <= 0 or left <= 0 or examined >= EXAMINE_STEP:  # none expired, or enough
                 break
-        if want > 0 and left > 0:
-            self._hungry[sub] = None
+        if want > 0:
+            if left <= 0 or got < taken:  # a budget ran out: the taker comes back
+                sub.stopped_short = True
+            else:
+                self._hungry[sub] = None
         if pieces and self.on_room is not None:
             self._room_made()
         return pieces

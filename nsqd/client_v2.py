@@ -109,6 +109,8 @@ class ClientV2:
         self.flush_now = False
         #: when a refill smaller than a batch was first put off (None: none is); see :meth:`fill`
         self.refill_put_off_ns: int | None = None
+        #: the last fill stopped for a budget with room left (see Subscription.stopped_short)
+        self.stopped_short = False
         self.exit_requested = False
         #: set by the I/O layer: wake the task that writes to this client
         self.on_wake: Callable[[], None] = _noop
@@ -177,6 +179,7 @@ class ClientV2:
         writer holds messages); then what it takes is written at once.
         """
         put_off, self.refill_put_off_ns = self.refill_put_off_ns, None  # kept only while it still waits
+        self.stopped_short = False
         sub = self.sub
         if sub is None or self.state != STATE_SUBSCRIBED:
             return
@@ -201,9 +204,11 @@ class ClientV2:
         taken = len(out) - before
         if waited and taken:
             self.flush_now = True  # held long enough already
-        if taken < free and sub.taken_bytes >= FILL_BYTES:
-            # cut short by FILL_BYTES: the writer comes back once these are written (also when the
-            # bytes read were all deferred records set aside: messages may wait behind them)
+        self.stopped_short = taken < free and sub.stopped_short
+        if self.stopped_short:
+            # by FILL_BYTES or the step of dropped messages: the writer comes back once these are
+            # written (also when the bytes read were all deferred records set aside, or all the
+            # messages dropped: messages may wait behind them)
             self.on_wake()
 
     def unsubscribe(self) -> None:

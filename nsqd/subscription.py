@@ -65,6 +65,9 @@ class Budget:
         return max(self.limit - self.used, 0)
 
 
+#: messages one take goes through at most when it drops some (expired, not sampled): a low
+#: sample_rate or a TTL over a big backlog dropped it all in one step, while other clients waited
+EXAMINE_STEP = 4096
 #: the reasons FIN, REQ and TOUCH give when they cannot find a message (Go nsqd's texts)
 NOT_OWNED = "client does not own message"
 NOT_IN_FLIGHT = "ID not in flight"
@@ -90,8 +93,12 @@ class Subscription:
         self.sample_rate = 0
         self.closed = False
         self.message_count = 0
-        #: bytes the last take used: its messages' (from disk: the records read, headers included)
+        #: bytes the last take went through: its messages' (from disk: the records read, headers
+        #: included), and those of the messages it dropped (expired, not sampled)
         self.taken_bytes = 0
+        #: the last take stopped for its byte or ``EXAMINE_STEP`` budget, not because the channel ran
+        #: dry: it is not counted hungry, so the taker comes back (after a checkpoint) for more
+        self.stopped_short = False
         self.finish_count = 0
         self.requeue_count = 0
         self.timeout_count = 0
@@ -140,6 +147,7 @@ class Subscription:
         its whole RDY of messages at once.
         """
         self.taken_bytes = 0
+        self.stopped_short = False
         lease = self.lease
         if lease is not None and lease.sealed:
             return []
@@ -151,7 +159,6 @@ class Subscription:
             return pieces
         if self.sample_rate:
             pieces = self._sampled(pieces, count, now_ns, max_bytes)
-            self.taken_bytes = sum(sum(map(len, frames)) for _, frames, _ in pieces)
         add = (lease.in_flight if lease is not None else self.in_flight).add
         deadline = now_ns + (lease.timeout_ns if lease is not None else self.msg_timeout_ns)
         taken = 0
@@ -166,21 +173,28 @@ class Subscription:
 
         As nsqd's pump reads on after a dropped message: a take whose messages
         were all dropped must not leave this consumer waiting, since the
-        channel saw it served and does not count it hungry.
+        channel saw it served and does not count it hungry. One take goes
+        through at most ``EXAMINE_STEP`` messages (a low rate drops most of a
+        big backlog) and stops short: the taker comes back after a checkpoint.
         """
         kept: list[Piece] = []
+        examined = 0
+        nbytes = self.taken_bytes
         while pieces:
             sampled = self.channel.sample(pieces, self.sample_rate)
             kept += sampled
             got = sum(len(ids) for ids, _, _ in sampled)
-            if got == sum(len(ids) for ids, _, _ in pieces):  # nothing dropped: the channel gave what it had
-                break
+            offered = sum(len(ids) for ids, _, _ in pieces)
+            examined += offered
             count -= got
-            if max_bytes != math.inf:
-                max_bytes -= sum(sum(map(len, frames)) for _, frames, _ in sampled)
-            if count <= 0 or max_bytes <= 0:
+            if got == offered or self.stopped_short or count <= 0:  # none dropped, or a budget ran out
                 break
-            pieces = self.channel.take(count, self, now_ns, max_bytes)
+            if nbytes >= max_bytes or examined >= EXAMINE_STEP:
+                self.stopped_short = True
+                break
+            pieces = self.channel.take(count, self, now_ns, max_bytes - nbytes)
+            nbytes += self.taken_bytes
+        self.taken_bytes = nbytes
         return kept
 
     # ---------------------------------------------------------------- settle

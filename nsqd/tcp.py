@@ -577,6 +577,8 @@ class Connection:
             if not self._woken:
                 with trio.move_on_at(wake_at):
                     await self._lot.park()
+            else:  # woken while busy: others run first, so a run of wake-ups cannot hold the loop
+                await trio.lowlevel.checkpoint()
             self._woken = False
             self._pump_wake_at = -math.inf
             now = trio.current_time()
@@ -695,7 +697,11 @@ class Connection:
         try:
             while True:
                 client.fill(self.nsqd.now_ns())
+                if client.stopped_short:  # a budget stopped it: other clients run before the next fill
+                    await trio.lowlevel.checkpoint()
                 if not out:
+                    if client.stopped_short:
+                        continue
                     self._held_until = None
                     return
                 if client.holds_output():

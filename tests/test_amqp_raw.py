@@ -211,6 +211,24 @@ async def test_presettled_consumer_gets_settled_transfers(tmp_path):
         assert consumer.finish_count == 2 and channel.in_flight_count == 0
 
 
+
+async def test_a_receiver_behind_a_big_expired_backlog_gets_the_fresh_message(tmp_path):
+    """The takes drop expired messages a bounded step at a time, sending nothing; the gateway
+    must come back for the next step by itself (nothing else wakes a link that is not hungry)."""
+    from nsqd.subscription import EXAMINE_STEP
+
+    async with gateway(tmp_path, message_ttl=0.3) as nsqd:
+        put(nsqd, "t", "c", [b"old-%d" % i for i in range(3 * EXAMINE_STEP)])
+        await trio.sleep(0.4)
+        nsqd.publish("t", [b"fresh"])
+        client = await Client.connect(nsqd.amqp_port)
+        link = await client.attach(p.RECEIVER, "/topics/t/channels/c")
+        link.flow(10)
+        await client.until(lambda: any(isinstance(e, ev.Transfers) for e in client.events), timeout=10)
+        assert [body_of(d) for d in client.deliveries(link)] == [b"fresh"]
+        # memory and disk take turns: the rest of the expired ones may be dropped after it
+        await eventually(lambda: nsqd.topics["t"].channels["c"].expired_count == 3 * EXAMINE_STEP)
+
 # ------------------------------------------------------------ publishing
 async def test_one_full_topic_starves_only_its_own_link(tmp_path):
     """Two senders and a receiver on one session: the full topic's link gets no credit,

@@ -287,6 +287,40 @@ def test_ttl_drops_old_messages_instead_of_delivering_them():
     assert ch.expired_count == 2
 
 
+
+@pytest.mark.parametrize("drop", ["ttl", "sample_rate"])
+def test_a_take_that_drops_goes_through_one_step_of_messages_and_says_it_stopped_short(drop):
+    """A TTL over a big backlog, or a sample_rate of 1, dropped it all in one take while every
+    other client waited (123,000 messages, 264 ms). One take goes through at most EXAMINE_STEP
+    messages, is not counted hungry (nothing would wake it) and says the taker must come back."""
+    from nsqd.subscription import EXAMINE_STEP
+
+    backlog = 5 * EXAMINE_STEP // 1000 * 1000
+    ch = channel(mem_queue_size=backlog + 1, policy=ChannelPolicy(ttl_ns=5 * S if drop == "ttl" else 0))
+    sub, _ = subscribe(ch, rdy=2500)
+    if drop == "sample_rate":
+        sub.sample_rate = 1  # keeps 2 in 100 (Go: a draw of 0..99 <= rate)
+    for start in range(0, backlog, 1000):
+        ch.put_chunk(*chunk(1000, start, ts=0 if drop == "ttl" else 1))
+    if drop == "ttl":
+        ch.put_chunk(*chunk(1, backlog, ts=8 * S))  # the one that is still fresh, at the end
+    takes = 0
+    delivered = []
+    while True:
+        before = ch.depth
+        got = fill(sub, 10 * S)
+        delivered += got
+        takes += 1
+        assert before - ch.depth <= EXAMINE_STEP + 2500  # one step, then at most the last batch it read
+        if not sub.stopped_short:
+            break
+        assert sub not in ch._hungry  # a taker that stopped short is not woken: it comes back
+    assert takes >= 4 and ch.depth == 0
+    if drop == "ttl":
+        assert ids_of(delivered) == chunk(1, backlog)[0] and ch.expired_count == backlog
+    else:
+        assert 0 < len(delivered) < backlog // 20
+
 def test_memory_bytes_follow_the_frames_in_memory():
     import random
 

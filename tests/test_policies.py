@@ -86,6 +86,27 @@ async def test_expired_messages_are_never_delivered(tmp_path):
         assert nsqd.topics["t"].channels["c"].expired_count == 2
 
 
+
+async def test_a_big_expired_backlog_on_disk_is_dropped_in_steps_and_the_fresh_message_still_comes(tmp_path):
+    """Each take goes through a bounded step of expired messages and comes back for the next
+    (it is not counted hungry): the consumer must still get the fresh message behind them."""
+    from nsqd.subscription import EXAMINE_STEP
+
+    old = 3 * EXAMINE_STEP
+    async with running_nsqd(tmp_path, message_ttl=0.3, mem_queue_size=0) as nsqd:
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.sub("t", "c")
+        for start in range(0, old, 1000):
+            await conn.mpub("t", [b"old-%d" % i for i in range(start, min(start + 1000, old))])
+        await trio.sleep(0.4)
+        await conn.pub("t", b"fresh")
+        await conn.command("RDY 5")
+        assert (await conn.read_message(timeout=10)).body == b"fresh"
+        channel = nsqd.topics["t"].channels["c"]
+        with trio.fail_after(5):  # every expired one is dropped, none delivered
+            while channel.expired_count != old:
+                await trio.sleep(0.01)
+
 async def test_limits_over_http_persist_and_only_bind_their_topic(tmp_path):
     async with running_nsqd(tmp_path, http_address="127.0.0.1:0") as nsqd:
         http = HTTPClient(nsqd.http_addresses[0][1])

@@ -500,6 +500,31 @@ async def test_a_sampling_consumer_is_not_stalled_by_a_batch_it_sampled_away(tmp
             await sub.command(b"FIN " + msg.id)
 
 
+
+async def test_a_sampling_consumer_goes_through_a_big_backlog_in_steps_to_its_end(tmp_path):
+    """A rate of 1 keeps 2%: the takes drop most of the backlog, a bounded step each, and come
+    back for the next step; the consumer gets its share and the channel empties."""
+    from nsqd.subscription import EXAMINE_STEP
+
+    backlog = 4 * EXAMINE_STEP
+    async with running_nsqd(tmp_path, mem_queue_size=0) as nsqd:
+        publisher = await NSQConnection.open(tcp_port(nsqd))
+        await publisher.sub("t", "c")
+        for start in range(0, backlog, 1000):
+            await publisher.mpub("t", [b"%d" % i for i in range(start, min(start + 1000, backlog))])
+        sub = await subscriber(nsqd, "t", "c", rdy=2500, sample_rate=1)
+        channel = nsqd.topics["t"].channels["c"]
+        got = 0
+        with trio.fail_after(20):  # the last messages may all be dropped: wait for the channel to empty
+            while channel.depth or channel.in_flight_count:
+                msg = None
+                with trio.move_on_after(0.2):
+                    msg = await sub.read_message(timeout=1)
+                if msg is not None:
+                    await sub.command(b"FIN " + msg.id)
+                    got += 1
+        assert 0 < got < backlog // 10
+
 async def test_sample_rate_keeps_a_message_unless_a_draw_of_0_to_99_exceeds_it_as_nsqd(tmp_path):
     """Go skips a message when ``rand.Int31n(100) > sampleRate``: a rate of 99 delivers every
     message. 25 of 2,000 had been dropped for the channel."""

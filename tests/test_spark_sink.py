@@ -24,12 +24,13 @@ def test_topic_column_and_deferred_rows(spark, daemon):
     addr = address(daemon)
     for topic in ("out2a", "out2b"):
         consume(addr, topic, "check", idle=0.1)
-    rows = [(b"a%d" % i, "out2a" if i % 2 else "out2b", 0) for i in range(10)] + [(b"late", "out2a", 1500)]
+    # deferred long enough that the first reads end before it is due, even when Spark's tasks are slow
+    rows = [(b"a%d" % i, "out2a" if i % 2 else "out2b", 0) for i in range(10)] + [(b"late", "out2a", 6000)]
     spark.createDataFrame(rows, "body binary, topic string, deferMs int").write.format("nsq") \
         .option("nsqd.address", addr).mode("append").save()
     assert sorted(b for _, _, b in consume(addr, "out2a", "check", idle=0.5)) == [b"a1", b"a3", b"a5", b"a7", b"a9"]
     assert len(consume(addr, "out2b", "check", idle=0.5)) == 5
-    assert [b for _, _, b in consume(addr, "out2a", "check", idle=2.0)] == [b"late"]
+    assert [b for _, _, b in consume(addr, "out2a", "check", idle=7.0)] == [b"late"]
 
 
 def test_stream_to_stream_through_the_sink(spark, daemon, tmp_path):
