@@ -179,6 +179,26 @@ def test_stale_metadata_finds_records_and_segments_written_after_it(tmp_path):
     queue.close()
 
 
+
+def test_a_saved_depth_of_0_with_records_past_the_read_position_still_reads_them(tmp_path):
+    """A depth that fell short (as an earlier build saved it behind a channel's reserved records)
+    must not leave the records after the read position unread: the open counts at least one,
+    and reading settles the rest."""
+    import dataclasses
+
+    from nsqd.diskq.metadata import load_newest, save_metadata
+
+    items = payloads(30)
+    write_queue(tmp_path, items)
+    path = tmp_path / "q.diskq.meta.json"
+    meta, _ = load_newest([path])
+    save_metadata(path, dataclasses.replace(meta, depth=0))
+    queue = open_queue(tmp_path)
+    assert queue.depth > 0
+    assert drain(queue) == items
+    assert queue.depth == 0
+    queue.close()
+
 def test_write_position_past_end_of_file_triggers_a_recount(tmp_path):
     items = payloads(50)
     write_queue(tmp_path, items)

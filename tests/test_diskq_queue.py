@@ -323,3 +323,19 @@ def test_a_close_with_nothing_changed_since_the_open_writes_no_metadata(tmp_path
     queue.read_many(1)
     queue.close()
     assert [meta.depth for meta in saves] == [4]  # a read is a change
+
+
+def test_reserved_records_that_outnumber_the_queued_ones_leave_those_readable_after_a_reopen(tmp_path):
+    """Records a channel writes and keeps itself (its leases, at shutdown) are not read back;
+    the queued records before them must be. Their count was taken off the depth twice (at the
+    reserve and again at the open), so 2 queued behind 8 reserved came back as a depth of 0."""
+    queue = DiskQueue("q", tmp_path)
+    queue.put_many(records(2))
+    queue.reserve(queue.put_positioned(records(8, start=2)))
+    assert queue.depth == 2
+    queue.close()
+    queue = DiskQueue("q", tmp_path)
+    assert queue.depth == 2
+    assert queue.read_many(100) == records(2)
+    assert queue.depth == 0
+    queue.close()

@@ -116,14 +116,14 @@ async def lease_consumer_at(port, topic="t", channel="c"):
     return conn
 
 
-async def restart_keeps_the_lease(tmp_path, args, stop_signal, stops: int = 1):
+async def restart_keeps_the_lease(tmp_path, args, stop_signal, stops: int = 1, leased_count: int = 4):
     daemon = Daemon(tmp_path, *args)
     await daemon.wait_ready()
     reader = await lease_consumer_at(daemon.port)
     await reader.mpub("t", [b"%d" % i for i in range(10)])
     await lease_command(reader, "LEASE run:7:0")
-    await reader.command("RDY 4")
-    leased = [await reader.read_message() for _ in range(4)]
+    await reader.command(f"RDY {leased_count}")
+    leased = [await reader.read_message() for _ in range(leased_count)]
     await reader.command("RDY 0")
     await reader.close()
     if stop_signal == signal.SIGKILL:
@@ -138,11 +138,12 @@ async def restart_keeps_the_lease(tmp_path, args, stop_signal, stops: int = 1):
     daemon = Daemon(tmp_path, *args)
     await daemon.wait_ready()
     again = await lease_consumer_at(daemon.port)
-    assert await lease_command(again, "LEASE run:7:0") == {"lease": "run:7:0", "count": 4, "reopened": True}
-    replay = [await again.read_message() for _ in range(4)]
+    assert await lease_command(again, "LEASE run:7:0") == {"lease": "run:7:0", "count": leased_count,
+                                                           "reopened": True}
+    replay = [await again.read_message() for _ in range(leased_count)]
     assert [(m.id, m.body) for m in replay] == [(m.id, m.body) for m in leased]
     driver = await lease_consumer_at(daemon.port)
-    assert await lease_command(driver, "LFIN run:7:0") == {"lease": "run:7:0", "count": 4}
+    assert await lease_command(driver, "LFIN run:7:0") == {"lease": "run:7:0", "count": leased_count}
     plain = await NSQConnection.open(daemon.port)
     await plain.sub("t", "c")
     await plain.command("RDY 20")
@@ -152,12 +153,15 @@ async def restart_keeps_the_lease(tmp_path, args, stop_signal, stops: int = 1):
             msg = await plain.read_message()
             rest.append(msg.body)
             await plain.command(b"FIN " + msg.id)
-    assert sorted(rest) == [b"%d" % i for i in range(4, 10)]  # the leased ones are not delivered again
+    assert sorted(rest) == [b"%d" % i for i in range(leased_count, 10)]  # the leased ones are not delivered again
     assert await daemon.stop() == 0
 
 
-async def test_a_lease_survives_a_graceful_restart(tmp_path):
-    await restart_keeps_the_lease(tmp_path, [], signal.SIGTERM)
+@pytest.mark.parametrize("leased_count", [4, 8])
+async def test_a_lease_survives_a_graceful_restart(tmp_path, leased_count):
+    """With more messages leased than queued, the queued ones were lost: the shutdown writes the
+    leased ones behind them, and their count was taken off the queue's depth twice."""
+    await restart_keeps_the_lease(tmp_path, [], signal.SIGTERM, leased_count=leased_count)
 
 
 async def test_a_lease_survives_a_crash_in_durable_mode(tmp_path):

@@ -192,6 +192,8 @@ class DiskQueue:
         #: the owner's notes on the records it kept before the last stop: (first, last, note)
         self.recovered_kept: tuple[Kept, ...] = tuple(k for k in state.kept if k[2] is not None)
         self._depth = state.depth - sum(1 for pos in self._reserved if pos >= saved_read)
+        if self._depth <= 0 and self._filter_until is None and not self._reader.caught_up:
+            self._depth = 1  # never 0 with records past the read position (see _read): reading settles it
         self._oldest_segment = state.release_segment
         #: when the free space of the file system was last looked at (see _low_on_space)
         self._space_checked_at = -math.inf
@@ -893,6 +895,10 @@ class DiskQueue:
                      if l >= here and (self.keeper is None or not _reserved_note(note))]
         if self._reserved:
             kept = kept + [(pos, pos, RESERVED_NOTE) for pos in self._reserved]
+            # the saved depth counts them, as a recount from the read position would: the open
+            # takes those ahead of the read position off again (a depth without them lost the
+            # queued records behind them when they outnumbered those: a depth of 0 reads nothing)
+            depth += sum(1 for pos in self._reserved if pos >= read_at)
         release = min([read_at, *(k[0] for k in kept)]) if kept else read_at
         if release > reader.position and self._filter_until is not None:
             release = reader.position
