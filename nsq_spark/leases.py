@@ -40,6 +40,7 @@ partition then reads on under the first segment name again.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -285,7 +286,9 @@ class LeaseReader:
         self._stopping = False
         self._done = False
         #: the last segment this read sent LEASE for: it may hold messages, so it is always reopened
-        self._leased = -1
+        #: (segment 0 from the start: the driver's probe may hold a message under its name, and a
+        #: read that ended without opening it had that message finished unread with the batch)
+        self._leased = 0
         #: a segment was missing: every segment this read has not leased yet is new
         self._past_end = False
         #: the current connection opened a lease that holds messages: they fill its budget for good
@@ -298,11 +301,14 @@ class LeaseReader:
         self._recent: deque[pa.Array] = deque()
 
     def batches(self) -> Iterator[pa.RecordBatch]:
-        self.deadline = time.monotonic() + self.max_delay
-        self.last = time.monotonic()
+        self.deadline = math.inf  # maxTriggerDelay counts from the first connection: not the wait for a daemon
         while not self._done:
             try:
-                yield from self._step(self.link.connect())
+                conn = self.link.connect()
+                if self.deadline == math.inf:
+                    self.last = time.monotonic()
+                    self.deadline = self.last + self.max_delay
+                yield from self._step(conn)
             except ConnectionLost as exc:
                 self._resume(exc)
         if len(self.columns):

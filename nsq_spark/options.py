@@ -78,6 +78,12 @@ def parse_duration(name: str, raw: str) -> float:
     return float(match.group(1)) * _UNIT_SECONDS[(match.group(2) or "ms").lower()]
 
 
+def _positive(seconds: float, name: str) -> float:
+    if seconds <= 0:
+        raise OptionError(f"option {name!r} must be more than 0: a read must have time to take a message")
+    return seconds
+
+
 def is_valid_name(name: str) -> bool:
     """Whether nsqd accepts ``name`` as a topic or channel name."""
     base = name[:-len("#ephemeral")] if name.endswith("#ephemeral") else name
@@ -135,7 +141,8 @@ class ReadOptions:
             channel=_name(values, "channel"),
             max_messages=_int(values, "maxMessagesPerTrigger", None, 1),
             min_messages=_int(values, "minMessagesPerTrigger", 0, 0),
-            max_delay=parse_duration("maxTriggerDelay", values.get("maxTriggerDelay", "1s")),
+            max_delay=_positive(parse_duration("maxTriggerDelay", values.get("maxTriggerDelay", "1s")),
+                                "maxTriggerDelay"),
             num_partitions=partitions,
             max_in_flight=_int(values, "maxInFlight", 2500, 1),
             msg_timeout_ms=_int(values, "msgTimeoutMs", 60000, 1000),

@@ -209,6 +209,33 @@ def test_driver_probes_plans_and_acknowledges(daemon):
         driver.close()
 
 
+
+@pytest.mark.parametrize("limit", ["deadline", "share"])
+def test_a_read_that_must_stop_at_once_still_gets_the_probes_message(daemon, limit):
+    """The probe took the batch's first message under the partition's first lease; a read that
+    stopped before opening that lease (its time already up, as after a slow connect to a daemon
+    that was restarting, or a share of 0 from maxMessagesPerTrigger) ended empty, and the
+    batch's acknowledgement finished the message unread."""
+    addr = address(daemon)
+    topic = f"probe_{limit}"
+    opts = ReadOptions.parse({"nsqd.address": addr, "topic": topic, "channel": "c", "numPartitions": "2"})
+    driver = LeaseDriver(opts, "run")
+    try:
+        publish(addr, topic, [b"only"])
+        assert wait_for(lambda: driver.new_data(1), 2, 0.01)
+        link = Subscription(opts, addr)
+        limits = {"max_messages": 0} if limit == "share" else {"max_delay": 1e-9}
+        reader = LeaseReader(link, "run:1:0", Columns(topic, "c"), replay=False, max_in_flight=100,
+                             **{"max_messages": None, "min_messages": 0, "max_delay": 5.0, **limits})
+        try:
+            got = [b for batch in reader.batches() for b in batch.column("body").to_pylist()]
+        finally:
+            link.close()
+        assert got == [b"only"]
+        driver.acknowledge(1)
+    finally:
+        driver.close()
+
 def test_driver_touches_pending_leases_and_the_next_run_takes_over_an_unplanned_probe(daemon):
     addr = address(daemon)
     opts = ReadOptions.parse({"nsqd.address": addr, "topic": "l6", "channel": "c", "msgTimeoutMs": "2000"})
@@ -297,6 +324,9 @@ def test_options_are_checked():
     assert opts.reconnect_timeout == 300
     assert WriteOptions.parse({"nsqd.address": "h:1", "reconnectTimeout": "30s"}).reconnect_timeout == 30
     assert ReadOptions.parse({**base, "topic": "a" * 54 + "#ephemeral"}).topic.endswith("#ephemeral")
+    for delay in ("0", "0s"):
+        with pytest.raises(OptionError, match="'maxTriggerDelay' must be more than 0"):
+            ReadOptions.parse({**base, "maxTriggerDelay": delay})
     for name in ("a" * 65, "t#ephemeral#ephemeral", "orders_us extra", "t\nPUB x", ""):
         with pytest.raises(OptionError, match="option 'topic'"):
             ReadOptions.parse({**base, "topic": name})
