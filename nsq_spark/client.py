@@ -371,7 +371,8 @@ class Backoff:
         if self.since is None:
             self.since = now
         if now - self.since >= self.give_up:
-            raise ConnectionLost(f"gave up after {self.give_up:g} s ({self.option}) without nsqd: {exc}") from exc
+            why = "nsqd kept declining" if isinstance(exc, Declined) else "without nsqd"
+            raise ConnectionLost(f"gave up after {self.give_up:g} s ({self.option}) {why}: {exc}") from exc
         self.delay = min(max(self.delay * 2, BACKOFF_FIRST), BACKOFF_MAX)
         self.next_try = now + self.delay
 

@@ -122,6 +122,9 @@ class Publisher:
         bodies = batch.column(self.columns["body"])
         if bodies.null_count:
             self._bad_row(bodies.is_null(), "has a null body")
+        sizes = pc.binary_length(bodies)
+        if len(bodies) and pc.min(sizes).as_py() == 0:
+            self._bad_row(pc.equal(sizes, 0), "has an empty body (nsqd refuses those)")
         if "topic" not in self.columns:
             return None
         topics = batch.column(self.columns["topic"])

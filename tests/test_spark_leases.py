@@ -509,6 +509,34 @@ def test_the_sink_publishes_through_a_graceful_restart(restartable):
     assert got == sorted(b for chunk in sent for b in chunk)  # declined batches were published again, once
 
 
+
+@pytest.mark.parametrize("body_type", [pa.binary(), pa.string()])
+def test_the_sink_refuses_a_batch_with_an_empty_body_before_publishing_any_of_it(daemon, body_type):
+    """nsqd refuses an empty body; the daemon's error (E_BAD_MESSAGE ... invalid message(424) body
+    size 0) came after the rows before it were published, and named no row."""
+    addr = address(daemon)
+    consume(addr, "r7", "check", idle=0.1)
+    opts = WriteOptions.parse({"nsqd.address": addr, "topic": "r7"})
+    publisher = Publisher(opts, addr, {"body": "body"}, 3)
+    rows = ["x%d" % i for i in range(3000)]
+    rows[2500] = ""
+    if body_type == pa.binary():
+        rows = [r.encode() for r in rows]
+    with pytest.raises(ValueError, match="row 2500 of partition 3 has an empty body"):
+        publisher.publish(pa.record_batch([pa.array(rows, body_type)], names=["body"]))
+    publisher.close()
+    assert consume(addr, "r7", "check", idle=0.3) == []
+
+
+def test_the_sink_says_the_daemon_kept_declining_not_that_it_was_away():
+    from nsq_spark.client import Backoff, Declined
+
+    backoff = Backoff(0.0)
+    with pytest.raises(ConnectionLost, match=r"reconnectTimeout\) nsqd kept declining: nsqd h:1: E_MPUB_FAILED"):
+        backoff.failed(Declined("nsqd h:1: E_MPUB_FAILED MPUB failed cannot store: No space left on device"))
+    with pytest.raises(ConnectionLost, match=r"reconnectTimeout\) without nsqd: refused"):
+        Backoff(0.0).failed(ConnectionLost("refused"))
+
 def test_message_runs_are_taken_around_heartbeats_and_close_wait():
     def message(i):
         data = struct.pack(">qH", 1_700_000_000_000_000_000 + i, 1) + b"%016d" % i + b"body%d" % i
