@@ -190,8 +190,9 @@ async def _request(address, remote_ip, tls, secret, common_name, method, connect
     endpoint = address if "://" in address else f"http://{address}/auth"
     url = urlsplit(endpoint)
     # sorted by key, as Go's url.Values.Encode writes them
+    # a secret's bytes go as they came (a str with surrogate escapes for those not UTF-8), as Go's
     form = urlencode({"common_name": common_name, "remote_ip": remote_ip, "secret": secret,
-                      "tls": "true" if tls else "false"})
+                      "tls": "true" if tls else "false"}, errors="surrogateescape")
     target = url.path or "/"
     if url.query:
         target += "?" + url.query

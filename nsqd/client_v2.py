@@ -95,6 +95,8 @@ class ClientV2:
         self.auth_state: AuthState | None = None
         self.auth_secret = ""
         self.tls_version = self.tls_cipher_suite = self.tls_negotiated_protocol = ""
+        #: the TLS client certificate's subject CN, which the auth servers are told
+        self.common_name = ""
         self.tls_negotiated_protocol_is_mutual = False
         # subscription and flow control: RDY is the budget's limit
         self.budget = Budget(0)

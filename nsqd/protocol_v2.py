@@ -681,7 +681,7 @@ class ProtocolV2:
             raise ClientError("E_INVALID", "AUTH already set")
         if not self.auth_enabled:
             raise ClientError("E_AUTH_DISABLED", "AUTH disabled")
-        self.client.auth_secret = body.decode(errors="replace")
+        self.client.auth_secret = body.decode(errors="surrogateescape")  # the auth servers get its bytes
         self.pending.append(("auth",))
         return None
 
@@ -696,7 +696,7 @@ class ProtocolV2:
             client.out.append(message.encode_error(b"E_AUTH_FAILED AUTH failed"))
             self.closed = True
             return
-        if not state.authorizations:
+        if first and not state.authorizations:  # a refresh keeps it: the command's check refuses, as Go's
             client.out.append(message.encode_error(b"E_UNAUTHORIZED AUTH no authorizations found"))
             self.closed = True
             return

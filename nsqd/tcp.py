@@ -647,6 +647,7 @@ class Connection:
                 for key, value in tls.describe(stream).items():
                     setattr(client, key, value)
                 client.tls = True
+                client.common_name = stream.peer_common_name()
             elif kind == "snappy":
                 stream = SnappyStream(self.stream)
                 client.snappy = True
@@ -675,7 +676,7 @@ class Connection:
         try:
             state = await auth.query_any(
                 opts.auth_http_addresses, remote_ip=host_of(client.remote_address), tls=client.tls,
-                secret=client.auth_secret, now=self.nsqd.now_ns() / 1e9,
+                secret=client.auth_secret, common_name=client.common_name, now=self.nsqd.now_ns() / 1e9,
                 method=opts.auth_http_request_method, connect_timeout=opts.http_client_connect_timeout,
                 request_timeout=opts.http_client_request_timeout)
         except auth.AuthError as exc:

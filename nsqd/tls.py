@@ -98,9 +98,19 @@ def handshake_failure(stream: TLSStream, error: BaseException) -> str:
         return "tls: first record does not look like a TLS handshake"
     if isinstance(error, trio.TooSlowError):
         return "i/o timeout"
+    if isinstance(error, ssl.SSLCertVerificationError):
+        if error.verify_code in _UNKNOWN_AUTHORITY:
+            return "tls: failed to verify certificate: x509: certificate signed by unknown authority"
+        return f"tls: failed to verify certificate: x509: {error.verify_message}"
     if isinstance(error, ssl.SSLError):
+        if error.reason == "PEER_DID_NOT_RETURN_A_CERTIFICATE":
+            return "tls: client didn't provide a certificate"
         return f"tls: {error.reason or error}".lower().replace("_", " ")
     return "EOF"
+
+
+#: OpenSSL's verify codes for a chain that does not end at a trusted root (Go: UnknownAuthorityError)
+_UNKNOWN_AUTHORITY = {18, 19, 20, 21}
 
 
 class TLSStream(trio.abc.Stream):
@@ -198,3 +208,11 @@ class TLSStream(trio.abc.Stream):
     def selected_alpn_protocol(self) -> str | None:
         return self._ssl.selected_alpn_protocol()
 
+    def peer_common_name(self) -> str:
+        """The client certificate's subject CN ("" without one), as Go's ``Subject.CommonName`` (the last)."""
+        name = ""
+        for rdn in (self._ssl.getpeercert() or {}).get("subject", ()):
+            for key, value in rdn:
+                if key == "commonName":
+                    name = value
+        return name

@@ -8,7 +8,6 @@ can show the behaviour, our engine where frames must be checked exactly.
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
-from urllib.parse import parse_qs, urlsplit
 
 import pytest
 import trio
@@ -26,38 +25,9 @@ from .test_amqp_raw import Client, body_of, body_payload
 from .test_parity import AuthServer, grant
 
 
-class RecordingAuthServer(AuthServer):
-    """Also keeps each request's query form, to check what the gateway sends."""
-
-    def __init__(self, secrets: dict[str, dict]) -> None:
-        super().__init__(secrets)
-        self.forms: list[dict[str, list[str]]] = []
-
-    async def handle(self, stream):
-        await super().handle(_Tap(stream, self.forms))
-
-
-class _Tap:
-    def __init__(self, stream, forms) -> None:
-        self.stream = stream
-        self.forms = forms
-
-    async def receive_some(self, max_bytes=None) -> bytes:
-        data = await self.stream.receive_some(max_bytes)
-        if data.startswith(b"GET "):
-            self.forms.append(parse_qs(urlsplit(data.split(b" ")[1].decode()).query, keep_blank_values=True))
-        return data
-
-    async def send_all(self, data) -> None:
-        await self.stream.send_all(data)
-
-    async def aclose(self) -> None:
-        await self.stream.aclose()
-
-
 @asynccontextmanager
 async def daemon_with_auth(tmp_path, secrets: dict[str, dict]):
-    server = RecordingAuthServer(secrets)
+    server = AuthServer(secrets)
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
         async with running_nsqd(tmp_path / "nsqd", amqp_address="127.0.0.1:0",
@@ -282,7 +252,7 @@ def test_a_refused_login_reads_nothing_more():
 async def test_an_amqps_login_is_asked_about_with_tls_true(tmp_path):
     from .test_amqp_tls import CERTS, domain
 
-    server = RecordingAuthServer({"good": grant("^orders$", [".*"], ["publish"])})
+    server = AuthServer({"good": grant("^orders$", [".*"], ["publish"])})
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
         async with running_nsqd(tmp_path / "nsqd", amqps_address="127.0.0.1:0", tls_cert=CERTS["cert"],

@@ -14,6 +14,8 @@ import trio
 import trio.testing
 import trustme
 
+from nsqd import message
+
 from .support import FRAME_RESPONSE, Daemon, NSQConnection, running_nsqd, tcp_port
 from .test_pynsq import run_loop
 
@@ -141,6 +143,9 @@ class AuthServer:
     def __init__(self, secrets: dict[str, dict]):
         self.secrets = secrets
         self.queries: list[str] = []
+        #: every query's fields (common_name, remote_ip, secret, tls), as parse_qs gives them, and as sent
+        self.forms: list[dict[str, list[str]]] = []
+        self.raw_queries: list[str] = []
         self.port = 0
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED):
@@ -161,9 +166,11 @@ class AuthServer:
             if isinstance(event, h11.EndOfMessage):
                 break
         from urllib.parse import parse_qs, urlsplit
-        query = parse_qs(urlsplit(target).query)
+        self.raw_queries.append(urlsplit(target).query)
+        query = parse_qs(urlsplit(target).query, keep_blank_values=True)
         secret = query["secret"][0]
         self.queries.append(secret)
+        self.forms.append(query)
         reply = self.secrets.get(secret)
         status, body = (200, json.dumps(reply).encode()) if reply else (403, b'{"message":"NOT_AUTHORIZED"}')
         data = conn.send(h11.Response(status_code=status, headers=[("content-length", str(len(body)))]))
@@ -214,6 +221,62 @@ async def test_auth_flow(tmp_path):
             nursery.cancel_scope.cancel()
 
 
+
+async def test_the_auth_server_is_told_the_tls_client_certificates_common_name(tmp_path, ca, certs):
+    """Go sends the client certificate's subject CN as common_name; it had always been empty,
+    so an auth server that grants by certificate saw an anonymous client."""
+    alice = ca.issue_cert("client.example", common_name="alice")
+    context = client_tls_context(certs)
+    alice.configure_cert(context)
+    server = AuthServer({"s": grant("^t$", [".*"], ["publish"])})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        async with running_nsqd(tmp_path / "d", tls_cert=certs["tls_cert"], tls_key=certs["tls_key"],
+                                tls_client_auth_policy="require-verify", tls_root_ca_file=certs["ca"],
+                                auth_http_addresses=[f"127.0.0.1:{server.port}"]) as nsqd:
+            conn = await NSQConnection.open(tcp_port(nsqd))
+            await conn.identify(feature_negotiation=True, tls_v1=True)
+            conn.stream = trio.SSLStream(conn.stream, context, server_hostname="127.0.0.1")
+            await conn.stream.do_handshake()
+            await conn.expect_response(b"OK")
+            await conn.command("AUTH", b"s")
+            await conn.read_frame()
+            await conn.pub("t", b"x")
+            assert server.forms == [{"common_name": ["alice"], "remote_ip": ["127.0.0.1"], "secret": ["s"],
+                                     "tls": ["true"]}]
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("client_cert,error", [
+    (None, "tls: client didn't provide a certificate"),
+    ("stranger", "tls: failed to verify certificate: x509: certificate signed by unknown authority"),
+])
+async def test_a_refused_client_certificate_gets_gos_words(tmp_path, certs, client_cert, error):
+    async with running_nsqd(tmp_path / "d", tls_cert=certs["tls_cert"], tls_key=certs["tls_key"],
+                            tls_client_auth_policy="require-verify", tls_root_ca_file=certs["ca"]) as nsqd:
+        context = client_tls_context(certs)
+        if client_cert == "stranger":
+            trustme.CA().issue_cert("client.example").configure_cert(context)
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.identify(feature_negotiation=True, tls_v1=True)
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        tls = context.wrap_bio(incoming, outgoing, server_hostname="127.0.0.1")
+        received = b""
+        with trio.fail_after(5):
+            while True:  # the handshake by hand: the refusal comes in plain text, after TLS records
+                try:
+                    tls.do_handshake()
+                    tls.read(1)  # TLS 1.3: the server's verdict on our certificate comes after our finished
+                except (ssl.SSLWantReadError, ssl.SSLError):
+                    pass
+                await conn.stream.send_all(outgoing.read())
+                data = await conn.stream.receive_some(65536)
+                if not data:
+                    break
+                received += data
+                incoming.write(data)
+        assert received.endswith(message.encode_error(f"E_IDENTIFY_FAILED IDENTIFY failed {error}".encode()))
+
 async def test_expired_auth_is_checked_again(tmp_path):
     server = AuthServer({"short": grant(".*", [".*"], ["publish", "subscribe"], ttl=1)})
     async with trio.open_nursery() as nursery:
@@ -232,6 +295,37 @@ async def test_expired_auth_is_checked_again(tmp_path):
             await conn.command("PUB t", b"3")
             await conn.expect_error("E_AUTH_FAILED AUTH failed")
             assert nsqd.topics["t"].message_count == 2
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_refresh_without_authorizations_refuses_the_command_as_go_does(tmp_path):
+    """Go stores the refreshed state and its check refuses the command; the text of the first
+    AUTH's refusal ("no authorizations found") is for the first AUTH only."""
+    server = AuthServer({"short": grant(".*", [".*"], ["publish"], ttl=1)})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        async with running_nsqd(tmp_path, auth_http_addresses=[f"127.0.0.1:{server.port}"]) as nsqd:
+            conn = await NSQConnection.open(tcp_port(nsqd))
+            await conn.command("AUTH", b"short")
+            await conn.read_frame()
+            server.secrets["short"] = {"ttl": 1, "identity": "alice", "authorizations": []}
+            await trio.sleep(1.1)
+            await conn.command("PUB t", b"x")
+            await conn.expect_error('E_UNAUTHORIZED AUTH failed for PUB on "t" ""')
+            await conn.expect_closed()
+            assert "t" not in nsqd.topics  # refused before the topic was made
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_secret_that_is_not_utf8_reaches_the_auth_server_as_it_came(tmp_path):
+    server = AuthServer({})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        async with running_nsqd(tmp_path, auth_http_addresses=[f"127.0.0.1:{server.port}"]) as nsqd:
+            conn = await NSQConnection.open(tcp_port(nsqd))
+            await conn.command("AUTH", b"sec\xffret")
+            await conn.expect_error("E_AUTH_FAILED AUTH failed")
+            assert server.raw_queries == ["common_name=&remote_ip=127.0.0.1&secret=sec%FFret&tls=false"]
             nursery.cancel_scope.cancel()
 
 
