@@ -6,6 +6,7 @@ import ssl
 import subprocess
 import time
 import sys
+from contextlib import asynccontextmanager
 
 import h11
 import nsq
@@ -277,6 +278,18 @@ async def test_a_refused_client_certificate_gets_gos_words(tmp_path, certs, clie
                 incoming.write(data)
         assert received.endswith(message.encode_error(f"E_IDENTIFY_FAILED IDENTIFY failed {error}".encode()))
 
+
+@asynccontextmanager
+async def nsqd_with_auth(tmp_path, secrets: dict[str, dict]):
+    """An in-process daemon asking a real auth server (both yielded) about ``secrets``."""
+    server = AuthServer(secrets)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        async with running_nsqd(tmp_path, auth_http_addresses=[f"127.0.0.1:{server.port}"]) as nsqd:
+            yield nsqd, server
+        nursery.cancel_scope.cancel()
+
+
 async def test_expired_auth_is_checked_again(tmp_path):
     server = AuthServer({"short": grant(".*", [".*"], ["publish", "subscribe"], ttl=1)})
     async with trio.open_nursery() as nursery:
@@ -301,32 +314,24 @@ async def test_expired_auth_is_checked_again(tmp_path):
 async def test_a_refresh_without_authorizations_refuses_the_command_as_go_does(tmp_path):
     """Go stores the refreshed state and its check refuses the command; the text of the first
     AUTH's refusal ("no authorizations found") is for the first AUTH only."""
-    server = AuthServer({"short": grant(".*", [".*"], ["publish"], ttl=1)})
-    async with trio.open_nursery() as nursery:
-        await nursery.start(server.serve)
-        async with running_nsqd(tmp_path, auth_http_addresses=[f"127.0.0.1:{server.port}"]) as nsqd:
-            conn = await NSQConnection.open(tcp_port(nsqd))
-            await conn.command("AUTH", b"short")
-            await conn.read_frame()
-            server.secrets["short"] = {"ttl": 1, "identity": "alice", "authorizations": []}
-            await trio.sleep(1.1)
-            await conn.command("PUB t", b"x")
-            await conn.expect_error('E_UNAUTHORIZED AUTH failed for PUB on "t" ""')
-            await conn.expect_closed()
-            assert "t" not in nsqd.topics  # refused before the topic was made
-            nursery.cancel_scope.cancel()
+    async with nsqd_with_auth(tmp_path, {"short": grant(".*", [".*"], ["publish"], ttl=1)}) as (nsqd, server):
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.command("AUTH", b"short")
+        await conn.read_frame()
+        server.secrets["short"] = {"ttl": 1, "identity": "alice", "authorizations": []}
+        await trio.sleep(1.1)
+        await conn.command("PUB t", b"x")
+        await conn.expect_error('E_UNAUTHORIZED AUTH failed for PUB on "t" ""')
+        await conn.expect_closed()
+        assert "t" not in nsqd.topics  # refused before the topic was made
 
 
 async def test_a_secret_that_is_not_utf8_reaches_the_auth_server_as_it_came(tmp_path):
-    server = AuthServer({})
-    async with trio.open_nursery() as nursery:
-        await nursery.start(server.serve)
-        async with running_nsqd(tmp_path, auth_http_addresses=[f"127.0.0.1:{server.port}"]) as nsqd:
-            conn = await NSQConnection.open(tcp_port(nsqd))
-            await conn.command("AUTH", b"sec\xffret")
-            await conn.expect_error("E_AUTH_FAILED AUTH failed")
-            assert server.raw_queries == ["common_name=&remote_ip=127.0.0.1&secret=sec%FFret&tls=false"]
-            nursery.cancel_scope.cancel()
+    async with nsqd_with_auth(tmp_path, {}) as (nsqd, server):
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.command("AUTH", b"sec\xffret")
+        await conn.expect_error("E_AUTH_FAILED AUTH failed")
+        assert server.raw_queries == ["common_name=&remote_ip=127.0.0.1&secret=sec%FFret&tls=false"]
 
 
 @pytest.mark.parametrize("line,body,before_sub", [
