@@ -2,7 +2,7 @@
 
 Both wrap another Trio stream (the socket, or TLS over it, since TLS comes
 first as in nsqd). Every ``send_all`` is flushed so a frame is never held
-back.
+back; a big one is deflated in a worker thread, off the event loop.
 
 Decompression is paced, because a few kilobytes can expand a thousandfold
 (a deflated run of NOPs): one ``receive_some`` returns at most
@@ -27,6 +27,9 @@ STEP_OUTPUT = 256 * 1024
 #: most snappy chunks one receive decodes: chunks that give nothing (padding, skippable or empty
 #: ones) cost time too, and a read's worth of them held the event loop for 80-100 ms
 STEP_CHUNKS = 1024
+#: writes larger than this are deflated in a worker thread (zlib lets go of the GIL meanwhile): a
+#: deflate consumer's 1 MiB fill of messages that do not compress held the event loop for 40 ms
+THREAD_BYTES = 64 * 1024
 
 
 class DeflateStream(trio.abc.Stream):
@@ -38,8 +41,16 @@ class DeflateStream(trio.abc.Stream):
         self._decompress = zlib.decompressobj(-zlib.MAX_WBITS)
 
     async def send_all(self, data) -> None:
+        # one send_all at a time (the connection's write turn): the compressor is never shared
+        if len(data) > THREAD_BYTES:
+            out = await trio.to_thread.run_sync(self._deflate, data)
+        else:
+            out = self._deflate(data)
+        await self.transport.send_all(out)
+
+    def _deflate(self, data) -> bytes:
         c = self._compress
-        await self.transport.send_all(c.compress(data) + c.flush(zlib.Z_SYNC_FLUSH))
+        return c.compress(data) + c.flush(zlib.Z_SYNC_FLUSH)
 
     async def wait_send_all_might_not_block(self) -> None:
         await self.transport.wait_send_all_might_not_block()
