@@ -12,8 +12,9 @@ layer (``nsqd.tcp``) only moves bytes.
 Work per call is bounded: :meth:`V2Parser.commands` returns at most
 ``STEP_COMMANDS`` commands (a FIN of a run counts as ``1 / FINS_PER_COMMAND``:
 settling one is a ``dict.pop``, and a consumer FINs what it got in one burst,
-which should come back as one burst), so a read full of tiny commands is
-executed in steps and the I/O layer yields between them.
+which should come back as one burst; fewer while a client's steps run longer
+than ``STEP_SECONDS``), so a read full of tiny commands is executed in steps
+and the I/O layer yields between them.
 As nsqd reads a body only after checking the command line, a body command
 whose line is wrong (``PUB`` without a topic) is answered at once instead of
 waiting for a body that may never come.
@@ -28,6 +29,7 @@ import json
 import math
 import re
 import struct
+import time
 from itertools import chain
 from typing import TYPE_CHECKING
 
@@ -56,6 +58,12 @@ MAX_LINE = 16 * 1024
 
 #: most commands one parser call returns
 STEP_COMMANDS = 256
+#: about how long one step of a client's commands runs before others get the event loop: a
+#: connection's step shrinks (to ``MIN_STEP_COMMANDS``) while its steps take longer, and grows
+#: back to ``STEP_COMMANDS`` while they are quick (10 clients pipelining 256 PUBs a step had a
+#: single PUB wait 124 ms)
+STEP_SECONDS = 0.001
+MIN_STEP_COMMANDS = 16
 #: FINs of a run that cost as much of a step as one other command (a step holds up to 4,096 FINs)
 FINS_PER_COMMAND = 16
 #: largest IDENTIFY body: its JSON is decoded in one go, so it stays small (clients send ~300 bytes)
@@ -376,6 +384,8 @@ class ProtocolV2:
         #: ("tls",), ("snappy",), ("deflate", level), ("auth",), ("steps",) (a big MPUB: :meth:`publish_step`)
         self.pending: list[tuple] = []
         self._stash: list[tuple[bytes, list, bytes | None]] = []
+        #: commands a step may run now (see STEP_SECONDS)
+        self._step_commands = STEP_COMMANDS
         #: a big MPUB being validated and stored a step at a time: its steps and its publish
         self._big_mpub: tuple[Iterator, PublishInSteps] | None = None
         #: the topic of the last single PUB staged by :meth:`stage_single_pub`, as sent and as checked
@@ -432,14 +442,21 @@ class ProtocolV2:
         self.step(now_ns)
 
     def step(self, now_ns: int) -> None:
-        """Parse and execute up to ``STEP_COMMANDS`` commands; set :attr:`closed` on a fatal error.
+        """Parse and execute up to ``STEP_COMMANDS`` commands (fewer while steps run long, see
+        ``STEP_SECONDS``); set :attr:`closed` on a fatal error.
 
         While :attr:`more` is true, complete commands are still buffered: the
         I/O layer yields to other tasks, then steps again. A command that needs
         I/O (a TLS or compression upgrade, an auth server query) leaves its
         steps in :attr:`pending` and the commands after it waiting until :meth:`resume`.
         """
-        self._run(self.parser.commands(), now_ns)
+        start = time.perf_counter()
+        self._run(self.parser.commands(self._step_commands), now_ns)
+        took = time.perf_counter() - start
+        if took > 2 * STEP_SECONDS:
+            self._step_commands = max(self._step_commands // 2, MIN_STEP_COMMANDS)
+        elif took < STEP_SECONDS / 2 and self._step_commands < STEP_COMMANDS:
+            self._step_commands = min(self._step_commands * 2, STEP_COMMANDS)
 
     @property
     def more(self) -> bool:

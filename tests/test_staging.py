@@ -168,3 +168,32 @@ async def test_a_single_pub_with_auth_or_tls_to_check_goes_the_general_way(tmp_p
             data = pub("t", b"x")
             assert not protocol.stage_single_pub(bytearray(data), len(data))
             assert (batch.staged, protocol.held) == ([], [])
+
+
+async def test_a_connection_whose_steps_run_long_takes_fewer_commands_a_step_and_more_again_once_quick(
+        tmp_path, monkeypatch):
+    """10 clients pipelining 256 PUBs a step (about 9 ms each here) had a single PUB wait 124 ms:
+    a step that runs past 2 × STEP_SECONDS halves the next one (down to MIN_STEP_COMMANDS), a
+    step under half of it doubles it (up to STEP_COMMANDS)."""
+    from nsqd import protocol_v2
+    from nsqd.client_v2 import ClientV2
+    from nsqd.protocol_v2 import MIN_STEP_COMMANDS, STEP_COMMANDS, ProtocolV2
+
+    async with running_nsqd(tmp_path) as nsqd:
+        client = ClientV2(nsqd.new_client_id(), "unit", nsqd.options, nsqd.now_ns(), nsqd.topics)
+        protocol = ProtocolV2(nsqd, client)
+        monkeypatch.setattr(protocol_v2, "STEP_SECONDS", 1e-12)  # every step runs long
+        protocol.receive_data(b"NOP\n" * 2000, nsqd.now_ns())
+        sizes = [protocol.parser.parsed]
+        while protocol.more and len(sizes) < 7:
+            before = protocol.parser.parsed
+            protocol.step(nsqd.now_ns())
+            sizes.append(protocol.parser.parsed - before)
+        assert sizes == [STEP_COMMANDS, 128, 64, 32, MIN_STEP_COMMANDS, MIN_STEP_COMMANDS, MIN_STEP_COMMANDS]
+        monkeypatch.setattr(protocol_v2, "STEP_SECONDS", 1e9)  # every step is quick
+        sizes = []
+        while protocol.more and len(sizes) < 6:
+            before = protocol.parser.parsed
+            protocol.step(nsqd.now_ns())
+            sizes.append(protocol.parser.parsed - before)
+        assert sizes == [MIN_STEP_COMMANDS, 32, 64, 128, STEP_COMMANDS, STEP_COMMANDS]
