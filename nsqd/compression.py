@@ -32,6 +32,13 @@ STEP_CHUNKS = 1024
 THREAD_BYTES = 64 * 1024
 
 
+class CorruptStream(trio.BrokenResourceError):
+    """The client's compressed bytes do not decode: nothing more can be read (writing still works)."""
+
+    #: where in the buffered input the bad part begins (snappy: its chunk)
+    at = 0
+
+
 class DeflateStream(trio.abc.Stream):
     """Raw deflate (no zlib header), as nsqd and its clients speak it."""
 
@@ -39,6 +46,8 @@ class DeflateStream(trio.abc.Stream):
         self.transport = transport
         self._compress = zlib.compressobj(level, zlib.DEFLATED, -zlib.MAX_WBITS)
         self._decompress = zlib.decompressobj(-zlib.MAX_WBITS)
+        #: the stream turned bad: raised once what came before the damage was read
+        self._error: CorruptStream | None = None
 
     async def send_all(self, data) -> None:
         # one send_all at a time (the connection's write turn): the compressor is never shared
@@ -56,8 +65,10 @@ class DeflateStream(trio.abc.Stream):
         await self.transport.wait_send_all_might_not_block()
 
     async def receive_some(self, max_bytes=None) -> bytes:
-        d = self._decompress
         while True:
+            if self._error is not None:
+                raise self._error
+            d = self._decompress
             if d.eof:  # the client ended the deflate stream: nothing after it is read (Go: EOF)
                 return b""
             if d.unconsumed_tail:
@@ -67,15 +78,32 @@ class DeflateStream(trio.abc.Stream):
                 data = await self.transport.receive_some(max_bytes)
                 if not data:
                     return b""
+            before = d.copy()  # about 2 µs: what came before damage in the same read is read first
             try:
                 out = d.decompress(data, STEP_OUTPUT)
             except zlib.error as exc:
-                raise trio.BrokenResourceError(f"bad deflate stream: {exc}") from None
+                self._error = CorruptStream(f"bad deflate stream: {exc}")
+                out = _good_part(before, data)
             if out:
                 return out
 
     async def aclose(self) -> None:
         await self.transport.aclose()
+
+
+def _good_part(state, data) -> bytes:
+    """What ``data`` gives from ``state`` up to where it turns bad (Go's reader returns that first):
+    the longest prefix that decompresses, found by halving (only once, on a stream that failed)."""
+    good, bad = 0, len(data)
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        try:
+            state.copy().decompress(data[:middle], STEP_OUTPUT)
+        except zlib.error:
+            bad = middle
+        else:
+            good = middle
+    return state.decompress(data[:good], STEP_OUTPUT) if good else b""
 
 
 _STREAM_ID = b"sNaPpY"
@@ -125,50 +153,77 @@ class SnappyStream(trio.abc.Stream):
         return len(buf) >= 4 and len(buf) >= 4 + int.from_bytes(buf[1:4], "little")
 
     def _decode(self) -> bytes:
-        """Complete chunks from the buffer, up to ``STEP_OUTPUT`` decompressed bytes."""
+        """Complete chunks from the buffer, up to ``STEP_OUTPUT`` decompressed bytes.
+
+        A bad chunk after good ones is raised on the next call: what came before it is read
+        first, as Go's reader returns it (a command it completes still runs, a body it cuts
+        short gets its error)."""
         buf = self._buffer
-        out = []
+        out: list[bytes] = []
+        pos = 0
+        try:
+            pos = self._decode_into(out)
+        except CorruptStream as exc:
+            if not out:
+                raise
+            pos = exc.at
+        del buf[:pos]
+        return b"".join(out)
+
+    def _decode_into(self, out: list[bytes]) -> int:
+        """Decode chunks into ``out``; where the next chunk starts (on a bad one the error says where it began)."""
+        buf = self._buffer
         size = 0
         pos = 0
         chunks = 0
         while size < STEP_OUTPUT and chunks < STEP_CHUNKS and len(buf) - pos >= 4:
             chunks += 1
-            kind = buf[pos]
-            length = int.from_bytes(buf[pos + 1:pos + 4], "little")
-            if length > _MAX_CHUNK:
-                raise _corrupt(f"chunk of {length} bytes")
-            end = pos + 4 + length
-            if end > len(buf):
-                break
-            chunk = bytes(buf[pos + 4:end])
-            pos = end
-            if kind == 0xFF:
-                if chunk != _STREAM_ID:
-                    raise _corrupt("bad stream identifier")
-                self._started = True
-                continue
-            if not self._started:
-                raise _corrupt("no stream identifier")
-            if kind > 0x7F:  # padding and skippable chunks
-                continue
-            if kind > 0x01 or length < 4:
-                raise _corrupt(f"chunk type 0x{kind:02x}" if kind > 0x01 else "short chunk")
-            data = chunk[4:]
-            if kind == 0x00:
-                if _block_length(data) > _MAX_BLOCK:
-                    raise _corrupt("block larger than 64 KiB")
-                try:
-                    data = snappy.uncompress(data)
-                except snappy.UncompressError as exc:
-                    raise _corrupt(str(exc) or "bad block") from None
-            elif len(data) > _MAX_BLOCK:
+            start = pos
+            try:
+                kind = buf[pos]
+                length = int.from_bytes(buf[pos + 1:pos + 4], "little")
+                if length > _MAX_CHUNK:
+                    raise _corrupt(f"chunk of {length} bytes")
+                end = pos + 4 + length
+                if end > len(buf):
+                    break
+                chunk = bytes(buf[pos + 4:end])
+                pos = end
+                data = self._chunk_data(kind, length, chunk)
+            except CorruptStream as exc:
+                exc.at = start
+                raise
+            if data:
+                out.append(data)
+                size += len(data)
+        return pos
+
+    def _chunk_data(self, kind: int, length: int, chunk: bytes) -> bytes:
+        """What one chunk holds (b"" for the stream identifier, padding and skippable chunks)."""
+        if kind == 0xFF:
+            if chunk != _STREAM_ID:
+                raise _corrupt("bad stream identifier")
+            self._started = True
+            return b""
+        if not self._started:
+            raise _corrupt("no stream identifier")
+        if kind > 0x7F:  # padding and skippable chunks
+            return b""
+        if kind > 0x01 or length < 4:
+            raise _corrupt(f"chunk type 0x{kind:02x}" if kind > 0x01 else "short chunk")
+        data = chunk[4:]
+        if kind == 0x00:
+            if _block_length(data) > _MAX_BLOCK:
                 raise _corrupt("block larger than 64 KiB")
-            if _masked_crc(data) != int.from_bytes(chunk[:4], "little"):
-                raise _corrupt("checksum mismatch")
-            out.append(data)
-            size += len(data)
-        del buf[:pos]
-        return b"".join(out)
+            try:
+                data = snappy.uncompress(data)
+            except snappy.UncompressError as exc:
+                raise _corrupt(str(exc) or "bad block") from None
+        elif len(data) > _MAX_BLOCK:
+            raise _corrupt("block larger than 64 KiB")
+        if _masked_crc(data) != int.from_bytes(chunk[:4], "little"):
+            raise _corrupt("checksum mismatch")
+        return data
 
     async def aclose(self) -> None:
         await self.transport.aclose()
@@ -189,5 +244,5 @@ def _masked_crc(data: bytes) -> int:
     return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
 
-def _corrupt(what: str) -> trio.BrokenResourceError:
-    return trio.BrokenResourceError(f"bad snappy stream: {what}")
+def _corrupt(what: str) -> CorruptStream:
+    return CorruptStream(f"bad snappy stream: {what}")

@@ -68,7 +68,7 @@ import trio
 
 from . import auth, message, tls
 from .client_v2 import ClientV2
-from .compression import DeflateStream, SnappyStream
+from .compression import CorruptStream, DeflateStream, SnappyStream
 from .options import host_of, join_host_port
 from .body_budget import BIG_BODY
 from .broker import PublishError
@@ -309,7 +309,11 @@ class Connection:
                     self._body_reserved = need
                 else:  # no room in time: its body is dropped as it arrives, then refused
                     parser.skip_awaited()
-            data = await self._receive()
+            try:
+                data = await self._receive()
+            except CorruptStream as exc:  # as nsqd: a body it failed to read is answered (compressed)
+                log.warning("client error", client=self.client.remote_address, error=str(exc))
+                data = b""
             self._read_deadline = math.inf
             if not data:
                 if protocol.cut_short():

@@ -290,6 +290,20 @@ async def test_a_bad_snappy_chunk_drops_the_connection_before_buffering(tmp_path
         assert not nsqd.clients, why
 
 
+@pytest.mark.parametrize("kind", ["snappy", "deflate"])
+async def test_a_stream_that_turns_bad_inside_a_body_gets_nsqds_error_for_the_body(tmp_path, kind):
+    """Go's read of the body fails and its error is written through the compressed writer, which
+    still works; we had closed without a frame. What came before the damage is read first, also
+    when both came in one read."""
+    async with running_nsqd(tmp_path) as nsqd:
+        reader = await _compressed_connection(nsqd, kind)
+        head = _compressed(kind, b"PUB t\n" + struct.pack(">i", 100) + b"x" * 10)
+        # a chunk with a bad checksum; a deflate block of a type that does not exist
+        bad = b"\x01\x18\x00\x00" + b"\0\0\0\0" + b"y" * 20 if kind == "snappy" else b"\xff" * 16
+        await reader.conn.send(head + bad)
+        assert await reader.frame() == (FRAME_ERROR, b"E_BAD_MESSAGE PUB failed to read message body")
+        await reader.conn.expect_closed()
+
 @pytest.mark.parametrize("first,second,error", [
     ("deflate", "deflate", "compression is already enabled"),
     ("snappy", "snappy", "compression is already enabled"),
