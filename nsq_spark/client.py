@@ -60,8 +60,8 @@ class Draining(ConnectionLost):
 
 def parse_address(address: str) -> tuple[str, int]:
     host, sep, port = address.strip().rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"nsqd address {address!r} is not host:port")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"nsqd address {address!r} is not host:port (a port from 1 to 65535)")
     return host.strip("[]"), int(port)
 
 

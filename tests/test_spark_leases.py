@@ -318,8 +318,9 @@ def test_options_are_checked():
         ReadOptions.parse({**base, "numPartitions": "1"})
     with pytest.raises(OptionError, match="'channel' is required"):
         ReadOptions.parse({"nsqd.address": "h:1", "topic": "t"})
-    with pytest.raises(OptionError, match="not host:port"):
-        WriteOptions.parse({"nsqd.address": "localhost"})
+    for bad in ("localhost", "127.0.0.1:99999", "127.0.0.1:0"):
+        with pytest.raises(OptionError, match="not host:port"):
+            WriteOptions.parse({"nsqd.address": bad})
     assert WriteOptions.parse({"nsqd.address": "h:1", "checkpointLocation": "/x"}).topic is None
     assert opts.reconnect_timeout == 300
     assert WriteOptions.parse({"nsqd.address": "h:1", "reconnectTimeout": "30s"}).reconnect_timeout == 30
