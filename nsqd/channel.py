@@ -460,10 +460,10 @@ class Channel:
         take short (``sub.stopped_short``): it stops at the message that
         reaches ``max_bytes`` (from disk, within one scan window of it;
         expired messages count), or once it went through ``EXAMINE_STEP``
-        messages dropping expired ones, and the caller comes back for more. Memory and disk take turns when
-        both hold messages, so neither starves (nsqd gives no ordering
-        guarantee either). Messages past the channel's TTL are dropped here,
-        never delivered.
+        messages dropping expired ones, and the caller comes back for more.
+        Memory and disk take turns when both hold messages, so neither
+        starves (nsqd gives no ordering guarantee either). Messages past the
+        channel's TTL are dropped here, never delivered.
         """
         pieces: list[Piece] = []
         sub.taken_bytes = 0
