@@ -188,7 +188,9 @@ class PublishInSteps:
         try:
             if not self.count:
                 self._check_room()
-            receipt = self.broker.publish(self.topic_name, bodies)
+            # a batch begun before a drain is stored to its end: cut off, its publisher could not
+            # tell what was stored (the front ends shield its steps from the shutdown's cancel)
+            receipt = self.broker.publish(self.topic_name, bodies, begun=self.count > 0)
         except PublishError as exc:
             if self.count:
                 exc.reason = f"{exc.reason} ({self.count} of its {self.total} messages were stored)"
@@ -331,15 +333,16 @@ class Broker:
         self.clients.pop(client.id, None)
 
     def publish(self, topic_name: str, bodies, *, defer_ns: int = 0, durable: bool = False,
-                partial: bool = False) -> Receipt:
+                partial: bool = False, begun: bool = False) -> Receipt:
         """Publish message bodies to a topic: the one publish path of every front end.
 
         The topic's policy decides durability (``durable`` can only ask for
         more). Returns a :class:`Receipt`; raises PublishError with nothing
         stored. With ``partial``, a batch bigger than the room a ``reject``
-        limit leaves is cut: the head is stored (``Receipt.count``).
+        limit leaves is cut: the head is stored (``Receipt.count``). A later
+        step of a batch ``begun`` before a drain is still stored.
         """
-        if self.draining:
+        if self.draining and not begun:
             raise PublishError("exiting", kind="exiting")
         count = len(bodies)
         try:

@@ -533,14 +533,15 @@ class HTTPAPI:
             return
         publish.total = batch.count
         first = True
-        for bodies in batch.steps():
-            if not first:
-                await trio.lowlevel.checkpoint()
-            first = False
-            try:
-                publish.step(bodies)
-            except PublishError as exc:
-                raise self._publish_error("MPUB", topic_name, exc) from None
+        with trio.CancelScope(shield=True):  # stored to its end though the daemon stops meanwhile
+            for bodies in batch.steps():
+                if not first:
+                    await trio.lowlevel.checkpoint()
+                first = False
+                try:
+                    publish.step(bodies)
+                except PublishError as exc:
+                    raise self._publish_error("MPUB", topic_name, exc) from None
         await self._confirmed("MPUB", topic_name, publish.receipt())
 
     async def topic_create(self, request: Request) -> None:

@@ -88,6 +88,8 @@ RECEIVE_SIZE = 256 * 1024
 _RECEIVE_BUFFER = bytearray(RECEIVE_SIZE)
 #: time a new connection has to send the protocol magic
 MAGIC_TIMEOUT = 10.0
+#: how long a big MPUB that a shutdown let finish has to be confirmed and answered
+STOP_ANSWER_TIME = 1.0
 _BAD_PROTOCOL = message.encode_error(b"E_BAD_PROTOCOL")
 _OK = message.encode_response(b"OK")
 #: what the inline path hands the reader when it already ran the commands it read
@@ -631,8 +633,16 @@ class Connection:
             await self._authorize()
             return
         if kind == "steps":  # a big MPUB: every other task runs between its steps
-            while self.protocol.publish_step():
-                await trio.lowlevel.checkpoint()
+            # stored to its end and answered though the daemon stops meanwhile (its body is in):
+            # cut off, the publisher could not tell what was stored and would send it all again
+            with trio.CancelScope(shield=True):
+                while self.protocol.publish_step():
+                    await trio.lowlevel.checkpoint()
+                if self.nsqd.draining:  # the shutdown cancels this connection next: answer now, briefly
+                    with trio.move_on_after(STOP_ANSWER_TIME):
+                        if self.protocol.held:
+                            await self._confirm()
+                        await self._flush(wait=True)
             return
         async with self._turn.held():  # no pump writes while the stream is replaced
             commands, unparsed = self.protocol.drop_before_upgrade()

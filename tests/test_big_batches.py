@@ -3,15 +3,17 @@ step at a time, every other client served between steps, the answer once all are
 
 from __future__ import annotations
 
+import signal
 import struct
 
+import h11
 import pytest
 import trio
 
 from nsqd.mpub import STEP_MESSAGES
 
 from .conftest import HTTPClient, http_port
-from .support import NSQConnection, mpub_body, tcp_port
+from .support import FRAME_RESPONSE, NSQConnection, mpub_body, tcp_port
 from .test_bounded_memory import Subprocess
 
 ONE_BYTE_MAX = (5 * 1024 * 1024 - 4) // 5  # the most messages a default --max-body-size MPUB holds
@@ -154,6 +156,52 @@ async def test_a_confirmed_big_mpub_survives_a_sigkill(tmp_path, flags):
     finally:
         daemon.stop()
 
+
+
+@pytest.mark.parametrize("flags,over", [(["--mem-queue-size=0"], "tcp"), ([], "tcp"), ([], "http")],
+                         ids=["mem-queue-size=0", "memory", "http"])
+async def test_a_big_mpub_under_way_when_the_daemon_is_stopped_is_stored_whole_and_answered(tmp_path, flags, over):
+    """SIGTERM while a big MPUB was stored a step at a time stored part of it and closed the
+    connection without an answer (24,570 of 60,000 per channel): its publisher, unable to tell
+    what was kept, would send it all again. Its body is in: it is stored to its end and answered
+    (over HTTP the answer may still be cut off with the connection: a retry stores it twice, whole)."""
+    count, channels = 60_000, 3
+    daemon = Subprocess(tmp_path, *flags)
+    try:
+        http = HTTPClient(daemon.http)
+        assert (await http.post("/topic/create?topic=big")).status == 200
+        for i in range(channels):
+            assert (await http.post(f"/channel/create?topic=big&channel=c{i}")).status == 200
+        body = mpub_body([b"%08d" % i + b"x" * 40 for i in range(count)])
+        answers = []
+        async with trio.open_nursery() as nursery:
+            async def publish():
+                if over == "tcp":
+                    conn = await NSQConnection.open(daemon.tcp)
+                    await conn.command("MPUB big", body)
+                    answers.append(await conn.read_non_heartbeat())
+                else:  # stored whole all the same; the answer may be cut off with the connection
+                    try:
+                        response = await HTTPClient(daemon.http).post("/mpub?topic=big&binary=true", body)
+                    except h11.RemoteProtocolError:
+                        answers.append("closed")
+                    else:
+                        answers.append((FRAME_RESPONSE, response.body) if response.status == 200 else response)
+
+            nursery.start_soon(publish)
+            with trio.fail_after(20):
+                while not 0 < await _depth(daemon.http, "big") < count * channels:  # stored in part so far
+                    await trio.sleep(0.005)
+            daemon.proc.send_signal(signal.SIGTERM)
+        assert answers == [(FRAME_RESPONSE, b"OK")] or (over == "http" and answers == ["closed"])
+        assert await trio.to_thread.run_sync(daemon.proc.wait, 30) == 0
+    finally:
+        daemon.stop()
+    daemon = Subprocess(tmp_path, *flags)
+    try:
+        assert await _depth(daemon.http, "big") == count * channels
+    finally:
+        daemon.stop()
 
 async def test_a_step_stores_about_step_messages_copies_whatever_the_channel_count(nsqd_server):
     from nsqd.broker import MIN_STEP_MESSAGES, PublishInSteps

@@ -62,7 +62,7 @@ def test_sink_column_errors(spark, daemon, columns, message):
 
 
 def test_error_response_fails_the_write(spark, daemon):
-    df = spark.createDataFrame([("ok",), ("",)], "body string")
+    df = spark.createDataFrame([("ok",), ("x" * (1024 * 1024 + 1),)], "body string")  # over --max-msg-size
     with pytest.raises(Exception, match="E_BAD_MESSAGE"):
         df.write.format("nsq").option("nsqd.address", address(daemon)).option("topic", "out5") \
             .mode("append").save()
