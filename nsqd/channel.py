@@ -58,7 +58,7 @@ from .in_flight import Item, pieces
 from .leases import Leases
 from .logs import LogThrottle
 from .policy import ChannelPolicy
-from .subscription import EXAMINE_STEP, Budget, Consumer, Subscription, keep_sample
+from .subscription import Budget, Consumer, Subscription, keep_sample
 
 if TYPE_CHECKING:
     from .diskq import DiskQueue
@@ -77,6 +77,9 @@ _RESTORE_STEP = 512
 #: with their due time. Rewriting each one a take read cost writes, and a crash before the next
 #: checkpoint brought back both copies
 DEFERRED_INDEX = 100_000
+#: messages one take goes through at most when it drops some (expired, not sampled): a low
+#: sample_rate or a TTL over a big backlog dropped it all in one step, while other clients waited
+EXAMINE_STEP = 4096
 #: small publishes (single PUBs) are appended to the last chunk up to this size, so a queue of
 #: single messages is a few hundred chunks, not thousands (cheaper takes and checkpoints)
 COALESCE = 64
@@ -459,11 +462,13 @@ class Channel:
         hungry and woken when messages arrive, unless a budget stopped the
         take short (``sub.stopped_short``): it stops at the message that
         reaches ``max_bytes`` (from disk, within one scan window of it;
-        expired messages count), or once it went through ``EXAMINE_STEP``
-        messages dropping expired ones, and the caller comes back for more.
-        Memory and disk take turns when both hold messages, so neither
-        starves (nsqd gives no ordering guarantee either). Messages past the
-        channel's TTL are dropped here, never delivered.
+        dropped messages count), or once it went through ``EXAMINE_STEP``
+        messages dropping some, and the caller comes back for more. Memory
+        and disk take turns when both hold messages, so neither starves
+        (nsqd gives no ordering guarantee either). Messages past the
+        channel's TTL are dropped here, never delivered, and so are those the
+        subscription's ``sample_rate`` does not keep; the take reads on for
+        what it dropped, as nsqd's pump reads on after a skipped message.
         """
         pieces: list[Piece] = []
         sub.taken_bytes = 0
@@ -472,21 +477,25 @@ class Channel:
             return pieces
         want = n
         ttl_ns = self.policy.ttl_ns
+        rate = sub.sample_rate
         left = max_bytes
         examined = 0
         while True:
             batch: list[Piece] = []
             taken, nbytes = self._take_some(want, batch, now_ns, left)
             got = taken
-            if ttl_ns and taken:
-                batch = self._unexpired(batch, now_ns - ttl_ns)
+            if taken and (ttl_ns or rate):
+                if ttl_ns:
+                    batch = self._unexpired(batch, now_ns - ttl_ns)
+                if rate:
+                    batch = self._sampled(batch, rate)
                 got = sum(len(ids) for ids, _, _ in batch)
             pieces += batch
             want -= got
-            left -= nbytes  # expired messages' bytes too: a take's work is bounded, not only what it gives
+            left -= nbytes  # dropped messages' bytes too: a take's work is bounded, not only what it gives
             examined += taken
             sub.taken_bytes += nbytes
-            if got == taken or want <= 0 or left <= 0 or examined >= EXAMINE_STEP:  # none expired, or enough
+            if got == taken or want <= 0 or left <= 0 or examined >= EXAMINE_STEP:  # none dropped, or enough
                 break
         if want > 0:
             if left <= 0 or got < taken:  # a budget ran out: the taker comes back
@@ -645,7 +654,7 @@ class Channel:
             self._revised[pos] = (attempts, failed)
         return frame, note.get("d", due_ns), failed
 
-    def sample(self, pieces: list[Piece], rate: int) -> list[Piece]:
+    def _sampled(self, pieces: list[Piece], rate: int) -> list[Piece]:
         """nsqd's sample_rate: keep about ``rate`` percent; the rest are dropped for the channel."""
         kept, dropped = keep_sample(pieces, rate)
         for ids, _, _ in dropped:

@@ -65,9 +65,6 @@ class Budget:
         return max(self.limit - self.used, 0)
 
 
-#: messages one take goes through at most when it drops some (expired, not sampled): a low
-#: sample_rate or a TTL over a big backlog dropped it all in one step, while other clients waited
-EXAMINE_STEP = 4096
 #: the reasons FIN, REQ and TOUCH give when they cannot find a message (Go nsqd's texts)
 NOT_OWNED = "client does not own message"
 NOT_IN_FLIGHT = "ID not in flight"
@@ -96,7 +93,7 @@ class Subscription:
         #: bytes the last take went through: its messages' (from disk: the records read, headers
         #: included), and those of the messages it dropped (expired, not sampled)
         self.taken_bytes = 0
-        #: the last take stopped for its byte or ``EXAMINE_STEP`` budget, not because the channel ran
+        #: the last take stopped for its byte or step budget (Channel.take), not because the channel ran
         #: dry: it is not counted hungry, so the taker comes back (after a checkpoint) for more
         self.stopped_short = False
         self.finish_count = 0
@@ -157,8 +154,6 @@ class Subscription:
         pieces = self.channel.take(count, self, now_ns, max_bytes)
         if not pieces:
             return pieces
-        if self.sample_rate:
-            pieces = self._sampled(pieces, count, now_ns, max_bytes)
         add = (lease.in_flight if lease is not None else self.in_flight).add
         deadline = now_ns + (lease.timeout_ns if lease is not None else self.msg_timeout_ns)
         taken = 0
@@ -167,35 +162,6 @@ class Subscription:
             taken += len(ids)
         self.message_count += taken
         return pieces
-
-    def _sampled(self, pieces: list[Piece], count: int, now_ns: int, max_bytes: float) -> list[Piece]:
-        """The ``sample_rate`` share of ``pieces``, topped up from the channel for what was dropped.
-
-        As nsqd's pump reads on after a dropped message: a take whose messages
-        were all dropped must not leave this consumer waiting, since the
-        channel saw it served and does not count it hungry. One take goes
-        through at most ``EXAMINE_STEP`` messages (a low rate drops most of a
-        big backlog) and stops short: the taker comes back after a checkpoint.
-        """
-        kept: list[Piece] = []
-        examined = 0
-        nbytes = self.taken_bytes
-        while pieces:
-            sampled = self.channel.sample(pieces, self.sample_rate)
-            kept += sampled
-            got = sum(len(ids) for ids, _, _ in sampled)
-            offered = sum(len(ids) for ids, _, _ in pieces)
-            examined += offered
-            count -= got
-            if got == offered or self.stopped_short or count <= 0:  # none dropped, or a budget ran out
-                break
-            if nbytes >= max_bytes or examined >= EXAMINE_STEP:
-                self.stopped_short = True
-                break
-            pieces = self.channel.take(count, self, now_ns, max_bytes - nbytes)
-            nbytes += self.taken_bytes
-        self.taken_bytes = nbytes
-        return kept
 
     # ---------------------------------------------------------------- settle
     def finish(self, ids: list[bytes]) -> list[tuple[bytes, str]]:

@@ -215,7 +215,7 @@ async def test_presettled_consumer_gets_settled_transfers(tmp_path):
 async def test_a_receiver_behind_a_big_expired_backlog_gets_the_fresh_message(tmp_path):
     """The takes drop expired messages a bounded step at a time, sending nothing; the gateway
     must come back for the next step by itself (nothing else wakes a link that is not hungry)."""
-    from nsqd.subscription import EXAMINE_STEP
+    from nsqd.channel import EXAMINE_STEP
 
     async with gateway(tmp_path, message_ttl=0.3) as nsqd:
         put(nsqd, "t", "c", [b"old-%d" % i for i in range(3 * EXAMINE_STEP)])

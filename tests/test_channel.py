@@ -293,7 +293,7 @@ def test_a_take_that_drops_goes_through_one_step_of_messages_and_says_it_stopped
     """A TTL over a big backlog, or a sample_rate of 1, dropped it all in one take while every
     other client waited (123,000 messages, 264 ms). One take goes through at most EXAMINE_STEP
     messages, is not counted hungry (nothing would wake it) and says the taker must come back."""
-    from nsqd.subscription import EXAMINE_STEP
+    from nsqd.channel import EXAMINE_STEP
 
     backlog = 5 * EXAMINE_STEP // 1000 * 1000
     ch = channel(mem_queue_size=backlog + 1, policy=ChannelPolicy(ttl_ns=5 * S if drop == "ttl" else 0))

@@ -90,7 +90,7 @@ async def test_expired_messages_are_never_delivered(tmp_path):
 async def test_a_big_expired_backlog_on_disk_is_dropped_in_steps_and_the_fresh_message_still_comes(tmp_path):
     """Each take goes through a bounded step of expired messages and comes back for the next
     (it is not counted hungry): the consumer must still get the fresh message behind them."""
-    from nsqd.subscription import EXAMINE_STEP
+    from nsqd.channel import EXAMINE_STEP
 
     old = 3 * EXAMINE_STEP
     async with running_nsqd(tmp_path, message_ttl=0.3, mem_queue_size=0) as nsqd:

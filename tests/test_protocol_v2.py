@@ -504,7 +504,7 @@ async def test_a_sampling_consumer_is_not_stalled_by_a_batch_it_sampled_away(tmp
 async def test_a_sampling_consumer_goes_through_a_big_backlog_in_steps_to_its_end(tmp_path):
     """A rate of 1 keeps 2%: the takes drop most of the backlog, a bounded step each, and come
     back for the next step; the consumer gets its share and the channel empties."""
-    from nsqd.subscription import EXAMINE_STEP
+    from nsqd.channel import EXAMINE_STEP
 
     backlog = 4 * EXAMINE_STEP
     async with running_nsqd(tmp_path, mem_queue_size=0) as nsqd:
