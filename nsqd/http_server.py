@@ -35,6 +35,11 @@ policy when reached:
 * ``send_timeout`` (30 s): a client must take each answer within it, else the
   connection is dropped.
 
+When the server stops (the daemon's shutdown cancels it), connections that
+wait for a request close at once; a request already in the app gets
+:data:`STOP_ANSWER_TIME` to be answered (with ``Connection: close``), so a
+publish that was stored is confirmed rather than cut off.
+
 Malformed requests get h11's status (400, or 501 for an unknown transfer
 coding; 505 for an HTTP major version other than 1, HTTP/2's preface
 included; 400 too for a path with a malformed ``%`` escape, as Go's
@@ -89,6 +94,8 @@ LINGER_BYTES = 1024 * 1024
 MAX_REFUSING = 16
 #: seconds between two log lines about refused connections
 REFUSAL_LOG_INTERVAL = 10.0
+#: when the server stops, how long a request already being handled has to be answered
+STOP_ANSWER_TIME = 1.0
 
 
 @dataclass(frozen=True)
@@ -209,28 +216,36 @@ class HTTPServer:
         """Accept until cancelled; every connection runs in this call's handler nursery."""
         async with listener, trio.open_nursery() as handlers:
             task_status.started()
+            try:
+                await self._accept(listener, handlers)
+            finally:  # cancelled: the daemon stops
+                deadline = trio.current_time() + STOP_ANSWER_TIME
+                for connection in list(self._connections):
+                    connection.stop(deadline)
+
+    async def _accept(self, listener: trio.abc.Listener, handlers: trio.Nursery) -> None:
+        failing = False
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:  # EMFILE and friends: back off, keep serving
+                if not failing:
+                    log.error("HTTP accept failed, retrying every 0.1 s", error=str(exc))
+                failing = True
+                await trio.sleep(0.1)
+                continue
             failing = False
-            while True:
-                try:
-                    stream = await listener.accept()
-                except OSError as exc:  # EMFILE and friends: back off, keep serving
-                    if not failing:
-                        log.error("HTTP accept failed, retrying every 0.1 s", error=str(exc))
-                    failing = True
-                    await trio.sleep(0.1)
-                    continue
-                failing = False
-                if len(self._connections) >= self.limits.max_connections and not self._evict_one():
-                    self._count_refusal()
-                    if self._refusing < MAX_REFUSING and self.tls_context is None:
-                        self._refusing += 1
-                        handlers.start_soon(self._refuse, stream)
-                    else:
-                        await stream.aclose()
-                    continue
-                connection = _Connection(self, stream)
-                self._connections.add(connection)
-                handlers.start_soon(connection.run)
+            if len(self._connections) >= self.limits.max_connections and not self._evict_one():
+                self._count_refusal()
+                if self._refusing < MAX_REFUSING and self.tls_context is None:
+                    self._refusing += 1
+                    handlers.start_soon(self._refuse, stream)
+                else:
+                    await stream.aclose()
+                continue
+            connection = _Connection(self, stream)
+            self._connections.add(connection)
+            handlers.start_soon(connection.run)
 
     def _evict_one(self) -> bool:
         """Close the connection that has waited longest for a request, else the one that has
@@ -314,6 +329,10 @@ class _Connection:
         self.remote = peer_address(stream)
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_head_size)
         self._scope = trio.CancelScope()
+        #: outside ``_scope``: keeps the server's stop from cutting off a request being answered
+        #: (``stop`` gives it a deadline instead)
+        self._shield = trio.CancelScope(shield=True)
+        self._stopping = False
         #: the scope of the app's wait on another server, while it lasts
         self._elsewhere: trio.CancelScope | None = None
         self._phase = "idle"  # what the deadline guards: handshake, idle, head, app, body or send
@@ -332,6 +351,14 @@ class _Connection:
             self._elsewhere.cancel()  # only the wait: the app's request ends in Evicted
         else:
             self._scope.cancel()
+
+    def stop(self, deadline: float) -> None:
+        """The server stops: close now if waiting for a request, else answer it by ``deadline``."""
+        self._stopping = True
+        if self in self.server._waiting:
+            self._shield.cancel()
+        else:
+            self._shield.deadline = deadline
 
     @contextmanager
     def _waiting_elsewhere(self) -> Iterator[None]:
@@ -352,10 +379,11 @@ class _Connection:
 
     async def run(self) -> None:
         try:
-            with self._scope:
-                await self._serve()
-            if self._scope.cancelled_caught:
-                await self._deadline_passed()
+            with self._shield:
+                with self._scope:
+                    await self._serve()
+                if self._scope.cancelled_caught:
+                    await self._deadline_passed()
         except _ORDINARY_FAULTS as exc:
             self._linger = False
             log.info("HTTP connection dropped", client=self.remote, error=str(exc) or type(exc).__name__)
@@ -382,7 +410,8 @@ class _Connection:
             await stream.do_handshake()
         while True:
             request = await self._read_head()
-            if request is None or not await self._answer(request) or conn.our_state is h11.MUST_CLOSE:
+            if (request is None or not await self._answer(request) or conn.our_state is h11.MUST_CLOSE
+                    or self._stopping):
                 return
             conn.start_next_cycle()
 
@@ -483,9 +512,10 @@ class _Connection:
             log.info("bad HTTP request body", client=self.remote, status=exc.status, error=exc.detail)
             await self._send_final(error_response(exc.status, exc.message))
             return False
-        close = not self._body_complete()
-        self._linger = close
-        await self._send(self.server.serialise(self.h11, response, close=close, head_only=event.method == b"HEAD"))
+        complete = self._body_complete()
+        self._linger = not complete
+        await self._send(self.server.serialise(self.h11, response, close=not complete or self._stopping,
+                                               head_only=event.method == b"HEAD"))
         return True
 
     def _body_complete(self) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 import ssl
 
@@ -731,4 +732,39 @@ async def test_options_star_asks_about_the_server_and_gets_an_empty_200(daemon):
         assert "content-type" not in response.headers
         assert (await client.response()).body == b"OK"  # the connection goes on
     finally:
+        await client.aclose()
+
+
+async def test_a_stop_answers_the_request_being_handled_and_closes_idle_connections_at_once():
+    """The daemon's shutdown cancels the server: a request already in the app (a publish that
+    was stored, say) is still answered, with ``Connection: close``; a connection waiting for a
+    request closes at once; one that takes too long is cut off at STOP_ANSWER_TIME."""
+    entered = {"/slow": trio.Event(), "/hang": trio.Event()}
+
+    async def app(request: http_server.Request) -> http_server.Response:
+        if request.path in entered:
+            entered[request.path].set()
+            await trio.sleep(0.3 if request.path == "/slow" else math.inf)
+        return http_server.Response(200, [], request.path.encode())
+
+    listener = await http_server.open_listener("127.0.0.1:0")
+    port = listener.socket.getsockname()[1]
+    clients = {path: await Raw.open(port) for path in ("/idle", "/slow", "/hang")}
+    async with trio.open_nursery() as nursery:
+        await nursery.start(http_server.HTTPServer(app).serve, listener)
+        await clients["/idle"].send(b"GET /idle HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await clients["/idle"].response()).body == b"/idle"  # kept alive, now idle
+        for path in entered:
+            await clients[path].send(b"GET %s HTTP/1.1\r\nHost: x\r\n\r\n" % path.encode())
+            await entered[path].wait()
+        stopped_at = trio.current_time()
+        nursery.cancel_scope.cancel()
+    took = trio.current_time() - stopped_at
+    assert http_server.STOP_ANSWER_TIME <= took < http_server.STOP_ANSWER_TIME + 0.5  # the hung one, cut off
+    assert await clients["/idle"].closed()
+    answer = await clients["/slow"].response()
+    assert (answer.status, answer.body, answer.headers["connection"]) == (200, b"/slow", "close")
+    assert await clients["/slow"].closed()
+    assert await clients["/hang"].closed()
+    for client in clients.values():
         await client.aclose()
