@@ -23,6 +23,9 @@ DEFAULT_RECONNECT_TIMEOUT = "5m"
 #: nsqd's rule for topic and channel names (nsqd/names.py; executors need not have the daemon installed)
 _NAME = re.compile(r"^[.a-zA-Z0-9_-]{1,64}$")
 NAME_RULE = "1 to 64 characters of letters, digits, '.', '_' and '-', optionally ending in '#ephemeral'"
+#: most partitions per nsqd address: each one holds a connection to its daemon (and a share of its
+#: --max-connections) for every trigger
+MAX_PARTITIONS_PER_ADDRESS = 1024
 #: options Spark itself adds to those the user gave
 SPARK_OPTIONS = frozenset({"checkpointlocation"})
 
@@ -135,6 +138,10 @@ class ReadOptions:
         if partitions < len(addresses):
             raise OptionError(f"option 'numPartitions' ({partitions}) must be at least the number of "
                               f"nsqd addresses ({len(addresses)}): each address needs a partition")
+        if partitions > MAX_PARTITIONS_PER_ADDRESS * len(addresses):
+            raise OptionError(f"option 'numPartitions' ({partitions}) must be at most "
+                              f"{MAX_PARTITIONS_PER_ADDRESS} per nsqd address: each partition holds a "
+                              "connection to its daemon")
         return cls(
             addresses=addresses,
             topic=_name(values, "topic"),

@@ -316,6 +316,9 @@ def test_options_are_checked():
         ReadOptions.parse({**base, "chanel": "c"})
     with pytest.raises(OptionError, match="must be at least the number of nsqd addresses"):
         ReadOptions.parse({**base, "numPartitions": "1"})
+    assert ReadOptions.parse({**base, "numPartitions": "2048"}).num_partitions == 2048
+    with pytest.raises(OptionError, match=r"'numPartitions' \(2049\) must be at most 1024 per nsqd address"):
+        ReadOptions.parse({**base, "numPartitions": "2049"})
     with pytest.raises(OptionError, match="'channel' is required"):
         ReadOptions.parse({"nsqd.address": "h:1", "topic": "t"})
     for bad in ("localhost", "127.0.0.1:99999", "127.0.0.1:0"):
