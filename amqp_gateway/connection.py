@@ -149,6 +149,8 @@ class Connection:
         self.output: list[bytes] = []
         #: bytes of transfer frames waiting in the sessions for the peer's windows (Session.pending)
         self.window_held = 0
+        #: set by the I/O layer while a send to the peer waits (its consumers' Consumer.write_blocked)
+        self.write_blocked = False
         #: frames up to 512 bytes until our open announces more (spec 2.4.1), SASL frames included
         self.reader = FrameReader(MIN_MAX_FRAME_SIZE)
         self.remote_open: Open | None = None

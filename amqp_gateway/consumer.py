@@ -94,6 +94,10 @@ class LinkConsumer:
         return self.sub.requeue_count
 
     # ------------------------------------------------------ channel consumer
+    @property
+    def write_blocked(self) -> bool:
+        return self.link.session.connection.write_blocked
+
     def ready(self) -> int:
         """What a fill could take now, the budget aside: the credit within the session's window.
 

@@ -361,8 +361,12 @@ class Driver:
                         continue
                     return
                 data = engine.data_to_send()
-                with trio.fail_after(self.idle_timeout or math.inf):
-                    await self.stream.send_all(data)
+                engine.write_blocked = True  # the channels wake their other consumers meanwhile
+                try:
+                    with trio.fail_after(self.idle_timeout or math.inf):
+                        await self.stream.send_all(data)
+                finally:
+                    engine.write_blocked = False
                 self._last_send = trio.current_time()
         finally:
             self._turn.give_back()

@@ -114,6 +114,8 @@ class ClientV2:
         #: the last fill stopped for a budget with room left (see Subscription.stopped_short)
         self.stopped_short = False
         self.exit_requested = False
+        #: set by the I/O layer while a send to this client waits (see Consumer.write_blocked)
+        self.write_blocked = False
         #: set by the I/O layer: wake the task that writes to this client
         self.on_wake: Callable[[], None] = _noop
 

@@ -42,6 +42,10 @@ class Consumer(Protocol):
     def timed_out(self, count: int) -> None:
         """``count`` messages this consumer held timed out (they go back to the channel)."""
 
+    #: True while its connection waits to send (the client is not reading): a wake-up would get
+    #: nothing taken until that send is done, so the channel wakes another consumer instead
+    write_blocked: bool
+
     # Optional: ``ready() -> int``, how many messages the consumer would take now apart from
     # its budget (an AMQP link: its credit within the session's window). Without it the budget
     # is all (an NSQ client: RDY is its budget's limit).
@@ -128,11 +132,15 @@ class Subscription:
 
     def wake_room(self, want: int) -> int:
         """How many of ``want`` new messages a wake-up would get taken: the room, within what
-        the consumer is ready for (an AMQP link whose credit went to 0 takes nothing)."""
+        the consumer is ready for (an AMQP link whose credit went to 0 takes nothing, nor does a
+        consumer whose connection waits to send)."""
         room = self.room(want)
-        ready = self._ready
-        if ready is not None and room > 0:
-            room = max(min(room, ready()), 0)
+        if room > 0:
+            if self.consumer.write_blocked:
+                return 0
+            ready = self._ready
+            if ready is not None:
+                room = max(min(room, ready()), 0)
         return room
 
     # ------------------------------------------------------------------ take

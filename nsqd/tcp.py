@@ -738,8 +738,12 @@ class Connection:
                         continue
                     data = memoryview(data)[sent:]
                 hb = client.heartbeat_interval_ns
-                with trio.CancelScope(deadline=trio.current_time() + hb / 1e9 if hb > 0 else math.inf) as scope:
-                    await self.stream.send_all(data)
+                client.write_blocked = True  # the channel wakes its other consumers meanwhile
+                try:
+                    with trio.CancelScope(deadline=trio.current_time() + hb / 1e9 if hb > 0 else math.inf) as scope:
+                        await self.stream.send_all(data)
+                finally:
+                    client.write_blocked = False
                 if scope.cancelled_caught:
                     raise trio.TooSlowError("client did not read its messages in time")
         finally:

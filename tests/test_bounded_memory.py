@@ -152,6 +152,31 @@ async def test_a_reading_consumer_still_gets_every_large_message(tmp_path):
         daemon.stop()
 
 
+@pytest.mark.parametrize("greedy", [_greedy_nsq_consumer, _greedy_amqp_receiver], ids=["nsq", "amqp"])
+async def test_a_consumer_whose_writes_are_blocked_never_keeps_messages_from_an_idle_one(tmp_path, greedy):
+    """The channel woke its hungry consumers first come first: one whose write was blocked (its
+    client does not read) was woken for every new message, counted as taking it, and took it only
+    once its write went through (an idle NSQ consumer waited until its heartbeat, 30 s; an AMQP one
+    until the blocked client was dropped, 60 s). A consumer that cannot write now is passed over."""
+    daemon = Subprocess(tmp_path)
+    try:
+        stuck = await greedy(daemon)  # first in line, with room for 1,000,000 or 2,500
+        pub = await NSQConnection.open(daemon.tcp)
+        await pub.pub("big", b"x" * 900_000)  # it takes it, its write blocks, it waits for more
+        await trio.sleep(0.5)
+        idle = await NSQConnection.open(daemon.tcp)
+        await idle.sub("big", "c")
+        await idle.command("RDY 100")
+        await trio.sleep(0.3)  # the idle consumer took what was queued, if anything, and waits
+        await pub.pub("big", b"small")
+        with trio.fail_after(3):
+            while (msg := await idle.read_message()).body != b"small":
+                await idle.command(b"FIN " + msg.id)
+        await stuck.aclose()
+    finally:
+        daemon.stop()
+
+
 def _stall_in_a_big_body(port: int, size: int, sent: int) -> socket.socket:
     """A client that starts an MPUB of ``size`` bytes, sends ``sent`` of them and stalls."""
     sock = socket.create_connection(("127.0.0.1", port))

@@ -21,6 +21,7 @@ class Consumer:
     def __init__(self):
         self.woken = 0
         self.closed = False
+        self.write_blocked = False
 
     def wake(self):
         self.woken += 1
@@ -122,6 +123,24 @@ def test_wake_spreads_over_hungry_consumers_by_capacity():
     assert (small_consumer.woken, other_consumer.woken) == (1, 0)
     ch.put_chunk(*chunk(4, 1))
     assert other_consumer.woken == 1
+
+
+def test_a_consumer_whose_connection_waits_to_send_is_passed_over_by_a_wake_up():
+    """It would take nothing until its send is done (its client may never read): the next
+    hungry consumer is woken instead, and the first asks anew once it fills again."""
+    ch = channel()
+    stuck, stuck_consumer = subscribe(ch, rdy=2)
+    idle, idle_consumer = subscribe(ch, rdy=2)
+    fill(stuck)
+    fill(idle)
+    stuck_consumer.write_blocked = True
+    ch.put_chunk(*chunk(1))
+    assert (stuck_consumer.woken, idle_consumer.woken) == (0, 1)
+    assert ids_of(fill(idle)) == [b"%016x" % 0]
+    stuck_consumer.write_blocked = False
+    assert fill(stuck) == []  # hungry again, behind the idle one (room for 1 more)
+    ch.put_chunk(*chunk(3, 1))
+    assert (stuck_consumer.woken, idle_consumer.woken) == (1, 2)
 
 
 def test_finish_checks_ownership():

@@ -630,6 +630,8 @@ async def test_stats_text_format(nsqd_server, http):
 class BareConsumer:
     """A non-TCP consumer (as an AMQP link would be) with only what a channel needs."""
 
+    write_blocked = False
+
     def wake(self) -> None:
         pass
 
