@@ -23,16 +23,17 @@ from typing import Any, Protocol
 from . import codec
 from .codec import DecodeError
 from .errors import (
-    DECODE_ERROR, FRAME_SIZE_TOO_SMALL, FRAMING_ERROR, ILLEGAL_STATE, INVALID_FIELD, NOT_ALLOWED, RESOURCE_LIMIT_EXCEEDED,
-    UNAUTHORIZED_ACCESS, ConnectionFault, SessionFault,
+    CONNECTION_FORCED, DECODE_ERROR, FRAME_SIZE_TOO_SMALL, FRAMING_ERROR, ILLEGAL_STATE, INVALID_FIELD, NOT_ALLOWED,
+    RESOURCE_LIMIT_EXCEEDED, UNAUTHORIZED_ACCESS, ConnectionFault, SessionFault,
 )
 from .events import ConnectionClosed, ConnectionOpened, SaslLogin, SessionBegun, SessionEnded
 from .framing import (
-    AMQP_HEADER, EMPTY_FRAME, FRAME_HEAD, MIN_MAX_FRAME_SIZE, PROTOCOL_AMQP, PROTOCOL_SASL, SASL_HEADER, TYPE_AMQP,
+    AMQP_HEADER, EMPTY_FRAME, FRAME_HEAD, MIN_MAX_FRAME_SIZE, PROTOCOL_AMQP, PROTOCOL_SASL, SASL_HEADER,
+    SASL_MAX_FRAME_SIZE, TYPE_AMQP,
     TYPE_SASL, FrameReader, Header, encode_frame,
 )
 from .performatives import (
-    SASL_OK, Attach, Begin, Close, Detach, Disposition, End, Error, Flow, Open, SaslInit, SaslMechanisms,
+    SASL_OK, SASL_SYS_PERM, SASL_SYS_TEMP, Attach, Begin, Close, Detach, Disposition, End, Error, Flow, Open, SaslInit, SaslMechanisms,
     SaslOutcome, fit,
 )
 from .sasl import SaslClient, SaslServer
@@ -166,6 +167,8 @@ class Connection:
         self._remote_sessions: dict[int, Session] = {}
         self._stage = _AWAIT_HEADER
         self._sasl_done = False
+        #: server: a sasl-outcome went out (a fault during SASL otherwise gets one, sys-perm)
+        self._outcome_sent = False
         self._want_open = False
         if client:
             self.output.append(SASL_HEADER if sasl is not None else AMQP_HEADER)
@@ -286,6 +289,7 @@ class Connection:
             self.output.append(SASL_HEADER)
             self.send_sasl(self.sasl.offer())
             self._stage = _SASL
+            self.reader.max_frame_size = SASL_MAX_FRAME_SIZE
         elif protocol == PROTOCOL_AMQP and (self._sasl_done or not self.sasl_required):
             self.output.append(AMQP_HEADER)
             self._stage = _AMQP
@@ -301,6 +305,8 @@ class Connection:
         if protocol != expected:
             raise ConnectionFault(FRAMING_ERROR, f"server answered with protocol {protocol}")
         self._stage = _SASL if protocol == PROTOCOL_SASL else _AMQP
+        if self._stage == _SASL:
+            self.reader.max_frame_size = SASL_MAX_FRAME_SIZE
         if self._stage == _AMQP and self._want_open:
             self._send_open()
 
@@ -344,6 +350,7 @@ class Connection:
 
     def _sasl_outcome(self, outcome: SaslOutcome, events: list) -> None:
         self.send_sasl(outcome)
+        self._outcome_sent = True
         if outcome.code == SASL_OK:
             self._sasl_finished()
         else:
@@ -353,6 +360,7 @@ class Connection:
         self._sasl_done = True
         self._stage = _AWAIT_HEADER
         self.reader.expect_header = True
+        self.reader.max_frame_size = MIN_MAX_FRAME_SIZE
 
     # ----------------------------------------------------------- open/close
     def open(self) -> None:
@@ -372,12 +380,18 @@ class Connection:
         """Close the connection, with an open first if we sent none (spec 2.4.1).
 
         Before the AMQP header exchange (a refused header, SASL) there is no
-        connection to close: nothing is sent, and the I/O layer hangs up
-        (spec 2.2, 5.3.2).
+        connection to close: the I/O layer hangs up (spec 2.2, 5.3.2), after a
+        server's ``sasl-outcome`` if the SASL exchange ends before its outcome:
+        ``sys-temp`` when the daemon stops, ``sys-perm`` for a fault (the
+        client learns why, not only that).
         """
         if self.close_sent:
             return
         if self._stage != _AMQP:
+            if self._stage == _SASL and not self.client and not self._outcome_sent:
+                forced = error is not None and error.condition == CONNECTION_FORCED
+                self.send_sasl(SaslOutcome(SASL_SYS_TEMP if forced else SASL_SYS_PERM))
+                self._outcome_sent = True
             self.finished = True
             return
         if not self.open_sent:

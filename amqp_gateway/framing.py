@@ -26,6 +26,10 @@ TYPE_SASL = 1
 
 #: the largest frame either side may send before open has been exchanged
 MIN_MAX_FRAME_SIZE = 512
+#: the largest SASL frame we read: a PLAIN password may be a long token (a JWT for the auth server),
+#: which 512 bytes shut out; AMQP claims-based security allows more, and RabbitMQ and Qpid Broker-J
+#: read SASL frames up to 8 KiB too
+SASL_MAX_FRAME_SIZE = 8192
 EMPTY_FRAME = b"\x00\x00\x00\x08\x02\x00\x00\x00"
 
 FRAME_HEAD = struct.Struct(">IBBH")

@@ -23,6 +23,8 @@ RCV_SECOND = 1
 
 SASL_OK = 0
 SASL_AUTH = 1
+SASL_SYS_PERM = 3
+SASL_SYS_TEMP = 4
 
 
 @composite(0x1D, "amqp:error:list")

@@ -114,6 +114,46 @@ def test_sasl_plain_with_bad_credentials_is_refused():
     assert pair.take("client", ev.ConnectionClosed)[0].error.condition == errors.UNAUTHORIZED_ACCESS
 
 
+def test_a_plain_password_past_512_bytes_logs_in():
+    """A long token as the password (the auth server's secret) made a SASL frame over 512 bytes,
+    which was a framing error: SASL frames are read up to 8 KiB, the AMQP frames after them
+    within 512 bytes again until our open announces more."""
+    token = "t" * 6000
+    checked = []
+    pair = Pair(client_sasl=SaslClient("PLAIN", "alice", token),
+                server_sasl=SaslServer(lambda u, pw: checked.append(pw) or pw == token))
+    pair.client.open()
+    pair.exchange()
+    assert checked == [token] and pair.client.open_received and pair.server.open_received
+    server = Connection(client=False, container_id="s", sasl=SaslServer(lambda u, pw: True))
+    server.receive_data(SASL_HEADER + encode_frame(0, p.SaslInit("PLAIN", b"\0a\0b").encode_amqp(), 1)
+                        + AMQP_HEADER)
+    assert server.reader.max_frame_size == 512
+
+
+def _sasl_outcome(data: bytes) -> int:
+    reader = FrameReader(8192)
+    items = list(reader.feed(data))
+    frame, _ = codec.decode(items[-1][2])
+    assert isinstance(frame, p.SaslOutcome)
+    return frame.code
+
+
+def test_a_sasl_frame_over_8_kib_gets_a_sys_perm_outcome_then_a_hang_up():
+    server = Connection(client=False, container_id="s", sasl=SaslServer(lambda u, pw: True))
+    init = p.SaslInit("PLAIN", b"\0a\0" + b"x" * 9000).encode_amqp()
+    events = server.receive_data(SASL_HEADER + encode_frame(0, init, 1))
+    assert server.finished and events[0].error.condition == errors.FRAMING_ERROR
+    assert _sasl_outcome(server.data_to_send()) == p.SASL_SYS_PERM
+
+
+def test_a_stop_during_sasl_gets_a_sys_temp_outcome():
+    server = Connection(client=False, container_id="s", sasl=SaslServer(lambda u, pw: True))
+    server.receive_data(SASL_HEADER)
+    server.close(p.Error(errors.CONNECTION_FORCED, "the daemon ended the connection"))
+    assert server.finished and _sasl_outcome(server.data_to_send()) == p.SASL_SYS_TEMP
+
+
 def test_sasl_required_refuses_a_bare_amqp_header():
     server = Connection(client=False, container_id="s", sasl=SaslServer(lambda u, pw: True), sasl_required=True)
     events = server.receive_data(AMQP_HEADER)
