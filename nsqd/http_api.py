@@ -787,10 +787,15 @@ def _bearer(headers: Sequence[tuple[bytes, bytes]]) -> str:
 
 
 def _content_length(headers: Sequence[tuple[bytes, bytes]]) -> int | None:
+    """The body's declared length; None when it has none, or is chunked: Transfer-Encoding frames
+    the body then, and its Content-Length means nothing (RFC 9112 6.3; Go drops it too)."""
+    length = None
     for name, value in headers:
-        if name == b"content-length":
-            return int(value) if value.isdigit() else None
-    return None
+        if name == b"transfer-encoding":
+            return None
+        if name == b"content-length" and length is None:
+            length = int(value) if value.isdigit() else None
+    return length
 
 
 # ------------------------------------------------------------------ server
