@@ -19,8 +19,10 @@ policy when reached:
   connection is busy otherwise, the newcomer gets that 503 and is closed
   (HTTPS: closed without a handshake). A request the app holds waiting on
   another server (``Request.waiting_elsewhere``: the auth server) counts as a
-  stalled body. A flood of idle sockets, stalled bodies or requests waiting on
-  an auth server that never answers thus never locks out /ping.
+  stalled body, and so does an answer the client does not take (it is
+  closed, since it does not read). A flood of idle sockets, stalled bodies,
+  clients that never read or requests waiting on an auth server that never
+  answers thus never locks out /ping.
 * ``max_head_size`` (16 KiB): a request head that h11 holds incomplete past
   it (its ``max_incomplete_event_size``), or a complete one whose target,
   header names and values add up to more, gets ``431 HEADER_TOO_BIG``.
@@ -82,8 +84,8 @@ RECEIVE_SIZE = 64 * 1024
 #: the bytes it carries (5 MiB of them: about 20 s of the event loop)
 MIN_AVERAGE_CHUNK = 16
 CHUNKS_BEFORE_AVERAGE = 65536
-#: how long a connection must have waited for more of its body (or on another server) before it may
-#: be closed to make room
+#: how long a connection must have waited for more of its body, on another server or for its client
+#: to take an answer before it may be closed to make room
 BODY_EVICTION_WAIT = 1.0
 #: body events handled in a row from what is already buffered before other tasks get a turn
 EVENTS_PER_TURN = 1024
@@ -203,9 +205,9 @@ class HTTPServer:
         self._connections: set[_Connection] = set()
         #: connections waiting for a request head, oldest wait first: the ones closed at the cap
         self._waiting: dict[_Connection, None] = {}
-        #: connections waiting for more of a request body, or on another server for the app, and since
-        #: when, longest wait first: closed at the cap once they have waited BODY_EVICTION_WAIT and no
-        #: connection waits for a head
+        #: connections waiting for more of a request body, on another server for the app or for the
+        #: client to take an answer, and since when, longest wait first: closed at the cap once they
+        #: have waited BODY_EVICTION_WAIT and no connection waits for a head
         self._stalled: dict[_Connection, float] = {}
         self._refusing = 0
         self._refused = 0
@@ -249,8 +251,8 @@ class HTTPServer:
 
     def _evict_one(self) -> bool:
         """Close the connection that has waited longest for a request, else the one that has
-        waited longest, and at least BODY_EVICTION_WAIT, for more of its body or on another
-        server; False if none."""
+        waited longest, and at least BODY_EVICTION_WAIT, for more of its body, on another server
+        or for its client to take an answer; False if none."""
         if self._waiting:
             connection = next(iter(self._waiting))
             del self._waiting[connection]
@@ -584,7 +586,12 @@ class _Connection:
 
     async def _send(self, data: bytes) -> None:
         self._set_deadline("send", trio.current_time() + self.limits.send_timeout)
-        await self.stream.send_all(data)
+        waiting = self.server._stalled  # closable at the cap while the client does not take it
+        waiting[self] = trio.current_time()
+        try:
+            await self.stream.send_all(data)
+        finally:
+            waiting.pop(self, None)
 
 
 def _refusal(event: h11.Request, max_head_size: int) -> Response | None:

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import random
+import socket
 import ssl
 
 import pytest
@@ -285,6 +286,28 @@ async def test_bodies_stalled_at_the_cap_make_room_for_new_requests(daemon, monk
         assert (await client.response()).body == b"OK"
         await client.aclose()
     assert topic_depth(daemon, "t") == 3
+
+
+@pytest.mark.parametrize("daemon", [{"max_connections": 4}], indirect=True)
+async def test_clients_that_never_read_their_answers_make_room_at_the_cap(daemon, monkeypatch):
+    """Pipelined requests whose answers the client never reads held their connections in the
+    send phase for send_timeout (30 s), where nothing could close them: 256 such clients gave
+    everyone else 503 for as long as they cared to reconnect. The one that waited longest (and
+    at least BODY_EVICTION_WAIT) for its client to take an answer is closed to make room."""
+    monkeypatch.setattr(http_server, "BODY_EVICTION_WAIT", 0.2)
+    port = http_port(daemon)
+    readers = []
+    for _ in range(4):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        await trio.to_thread.run_sync(sock.connect, ("127.0.0.1", port))
+        client = Raw(trio.SocketStream(trio.socket.from_stdlib_socket(sock)))
+        await client.send(b"GET /stats?format=json HTTP/1.1\r\nHost: x\r\n\r\n" * 300)  # never read
+        readers.append(client)
+    await trio.sleep(0.5)
+    assert (await exchange(port, b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")).body == b"OK"
+    for client in readers:
+        await client.aclose()
 
 
 async def test_seeded_mutations_of_valid_requests_never_take_the_daemon_down(daemon):
