@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING
 import structlog
 import trio
 
+from nsqd.accept import accept_loop
 from nsqd.broker import PublishError
 from nsqd.options import TLS_NOT_REQUIRED, split_host_port
 from nsqd.slots import close_stream
@@ -107,22 +108,19 @@ async def serve_amqp(nsqd: Broker, address: str, *, idle_timeout: float = IDLE_T
 async def _accept_loop(nsqd: Broker, listener: trio.SocketListener, handlers: trio.Nursery,
                        idle_timeout: float, authenticate: Authenticate, tls_context: ssl.SSLContext | None) -> None:
     slots = nsqd.connection_slots
+
+    def admit(stream: trio.SocketStream) -> None:
+        if tls_context is None and nsqd.options.tls_required != TLS_NOT_REQUIRED:
+            handlers.start_soon(refuse_connection, nsqd, stream, None, Error(
+                NOT_ALLOWED, "TLS is required: connect with amqps" + _amqps_port(nsqd)))
+        elif slots.take():
+            handlers.start_soon(handle_connection, nsqd, stream, idle_timeout, authenticate, tls_context)
+        else:
+            handlers.start_soon(refuse_connection, nsqd, stream, tls_context, Error(
+                RESOURCE_LIMIT_EXCEEDED, f"max connections ({slots.limit}) reached"))
+
     async with listener:
-        while True:
-            try:
-                stream = await listener.accept()
-            except OSError as exc:  # EMFILE and friends: back off, keep serving
-                log.error("accept failed", error=str(exc))
-                await trio.sleep(0.1)
-                continue
-            if tls_context is None and nsqd.options.tls_required != TLS_NOT_REQUIRED:
-                handlers.start_soon(refuse_connection, nsqd, stream, None, Error(
-                    NOT_ALLOWED, "TLS is required: connect with amqps" + _amqps_port(nsqd)))
-            elif slots.take():
-                handlers.start_soon(handle_connection, nsqd, stream, idle_timeout, authenticate, tls_context)
-            else:
-                handlers.start_soon(refuse_connection, nsqd, stream, tls_context, Error(
-                    RESOURCE_LIMIT_EXCEEDED, f"max connections ({slots.limit}) reached"))
+        await accept_loop(listener, admit, log)
 
 
 def _amqps_port(nsqd: Broker) -> str:

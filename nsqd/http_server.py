@@ -62,6 +62,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from email.utils import formatdate
+from functools import partial
 from urllib.parse import unquote
 
 import h11
@@ -69,6 +70,7 @@ import structlog
 import trio
 
 from . import tls
+from .accept import accept_loop
 from .options import split_host_port
 from .tcp import peer_address
 
@@ -219,35 +221,25 @@ class HTTPServer:
         async with listener, trio.open_nursery() as handlers:
             task_status.started()
             try:
-                await self._accept(listener, handlers)
+                await accept_loop(listener, partial(self._admit, handlers=handlers), log, "HTTP ")
             finally:  # cancelled: the daemon stops
                 deadline = trio.current_time() + STOP_ANSWER_TIME
                 for connection in list(self._connections):
                     connection.stop(deadline)
 
-    async def _accept(self, listener: trio.abc.Listener, handlers: trio.Nursery) -> None:
-        failing = False
-        while True:
-            try:
-                stream = await listener.accept()
-            except OSError as exc:  # EMFILE and friends: back off, keep serving
-                if not failing:
-                    log.error("HTTP accept failed, retrying every 0.1 s", error=str(exc))
-                failing = True
-                await trio.sleep(0.1)
-                continue
-            failing = False
-            if len(self._connections) >= self.limits.max_connections and not self._evict_one():
-                self._count_refusal()
-                if self._refusing < MAX_REFUSING and self.tls_context is None:
-                    self._refusing += 1
-                    handlers.start_soon(self._refuse, stream)
-                else:
-                    await stream.aclose()
-                continue
-            connection = _Connection(self, stream)
-            self._connections.add(connection)
-            handlers.start_soon(connection.run)
+    def _admit(self, stream: trio.SocketStream, handlers: trio.Nursery) -> None:
+        """Serve a new connection, making room at the cap; or refuse it."""
+        if len(self._connections) >= self.limits.max_connections and not self._evict_one():
+            self._count_refusal()
+            if self._refusing < MAX_REFUSING and self.tls_context is None:
+                self._refusing += 1
+                handlers.start_soon(self._refuse, stream)
+            else:
+                stream.socket.close()
+            return
+        connection = _Connection(self, stream)
+        self._connections.add(connection)
+        handlers.start_soon(connection.run)
 
     def _evict_one(self) -> bool:
         """Close the connection that has waited longest for a request, else the one that has

@@ -67,6 +67,7 @@ import structlog
 import trio
 
 from . import auth, message, tls
+from .accept import accept_loop
 from .client_v2 import ClientV2
 from .compression import CorruptStream, DeflateStream, SnappyStream
 from .options import host_of, join_host_port
@@ -125,18 +126,15 @@ async def serve_tcp(nsqd: Broker, listeners, handlers: trio.Nursery, *,
 async def _accept_loop(nsqd: Broker, listener: trio.SocketListener, handlers: trio.Nursery,
                        hub: ReadinessHub) -> None:
     slots = nsqd.connection_slots
+
+    def admit(stream: trio.SocketStream) -> None:
+        if slots.take():
+            handlers.start_soon(handle_connection, nsqd, stream, hub)
+        else:
+            handlers.start_soon(refuse_connection, nsqd, stream)
+
     async with listener:
-        while True:
-            try:
-                stream = await listener.accept()
-            except OSError as exc:  # EMFILE and friends: back off, keep serving
-                log.error("accept failed", error=str(exc))
-                await trio.sleep(0.1)
-                continue
-            if slots.take():
-                handlers.start_soon(handle_connection, nsqd, stream, hub)
-            else:
-                handlers.start_soon(refuse_connection, nsqd, stream)
+        await accept_loop(listener, admit, log)
 
 
 async def handle_connection(nsqd: Broker, stream: trio.SocketStream, hub: ReadinessHub) -> None:

@@ -672,6 +672,7 @@ class FlakyListener(trio.abc.Listener):
 
     def __init__(self, inner: trio.SocketListener, failures: int) -> None:
         self.inner = inner
+        self.socket = inner.socket
         self.failures = failures
 
     async def accept(self):
