@@ -835,7 +835,9 @@ class Channel:
 
     # ------------------------------------------------------------ queue scan
     def process_in_flight(self, now_ns: int) -> bool:
-        """Requeue every timed-out message; True if there was any."""
+        """Requeue every timed-out message; True if there was any (never in a deleted channel)."""
+        if self.exiting:
+            return False
         dirty = False
         for sub in list(self.subscriptions.values()):
             items = sub.in_flight.expire(now_ns)
@@ -867,8 +869,10 @@ class Channel:
 
         Those on disk stay there, in the queue's order, until a take reads
         them: once they are due they count as depth, and hungry consumers
-        are woken to read them.
+        are woken to read them. A deleted channel is left alone (its queue is gone).
         """
+        if self.exiting:
+            return False
         disk_due = self._disk_deferred_due(now_ns)
         if disk_due:
             self._wake(disk_due)

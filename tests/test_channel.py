@@ -143,6 +143,21 @@ def test_a_consumer_whose_connection_waits_to_send_is_passed_over_by_a_wake_up()
     assert (stuck_consumer.woken, idle_consumer.woken) == (1, 2)
 
 
+def test_a_deleted_channel_is_never_scanned():
+    """The scan loop may hold a channel deleted meanwhile: as Go's processInFlightQueue and
+    processDeferredQueue, an exiting channel is left alone (its queue is gone: reading its
+    deferred records back logged them as lost, and its counts kept moving)."""
+    ch = channel()
+    sub, _ = subscribe(ch, rdy=2, timeout=5 * S)
+    ids, frames = chunk(2)
+    ch.put_chunk(ids, frames)
+    fill(sub)
+    assert sub.requeue(ids[0], 5 * S, 0) is None
+    ch.exiting = True  # Topic.delete_channel
+    assert ch.process_deferred(60 * S) is False and ch.process_in_flight(60 * S) is False
+    assert (ch.deferred_count, ch.timeout_count) == (1, 0)
+
+
 def test_finish_checks_ownership():
     ch = channel()
     ids, frames = chunk(2)
