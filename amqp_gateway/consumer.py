@@ -155,7 +155,7 @@ class LinkConsumer:
         if link.drain and link.credit > 0 and (dry or not link.available):
             link.complete_drain()
             self.echo = False
-        elif self.echo:
+        elif self.echo or (link.drain_owed and link.credit == 0):  # a drain the transfers used up
             self.echo = False
             link.send_flow()
         return nbytes

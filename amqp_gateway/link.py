@@ -51,6 +51,9 @@ class Link:
         self.initial_delivery_count = 0
         self.credit = 0
         self.drain = False
+        #: sender: a drain asked for since our last flow, which it is owed once the credit is used
+        #: up, by transfers too (go-amqp's and the Azure SDKs' drain wait for that flow)
+        self.drain_owed = False
         self.available = 0
         #: receiving links: deliveries above this many payload bytes arrive with payload None (0: no limit)
         self.max_message_size = 0
@@ -142,6 +145,7 @@ class Link:
 
     def send_flow(self, echo: bool = False) -> None:
         """Our link state (and the session's) in a flow frame; a sender reports ``available``."""
+        self.drain_owed = False
         self.session.send_flow(self, echo)
 
     def apply_flow(self, delivery_count: int | None, credit: int | None, drain: bool,
@@ -160,6 +164,7 @@ class Link:
             in_flight = min(serial.diff(rcv_count, self.delivery_count), 0)
             self.credit = max(credit + in_flight, 0)
             self.drain = drain
+            self.drain_owed = drain
         else:
             if delivery_count is not None:
                 used = max(serial.diff(delivery_count, self.delivery_count), 0)  # a drain used this much

@@ -166,8 +166,10 @@ async def test_drain_flow_carries_available_and_the_advanced_delivery_count(tmp_
         client = await Client.connect(nsqd.amqp_port)
         link = await client.attach(p.RECEIVER, "/topics/t/channels/c")
         link.flow(2, drain=True)
-        await client.until(lambda: client.take(ev.LinkFlow, link) or len(client.deliveries(link)) == 2)
+        got = []
+        await client.until(lambda: got.extend(client.deliveries(link)) or len(got) == 2)
         await client.for_a_while(0.1)
+        client.take(ev.LinkFlow, link)  # the drain's answer (see the test below)
         # two transfers used the credit; the flow it answers with says one is left
         link.flow(0, echo=True)
         await client.until(lambda: client.take(ev.LinkFlow, link))
@@ -176,6 +178,24 @@ async def test_drain_flow_carries_available_and_the_advanced_delivery_count(tmp_
         await client.until(lambda: client.take(ev.LinkFlow, link))
         assert (link.credit, link.delivery_count, link.available) == (0, 7, 0)
         assert [body_of(d) for d in client.deliveries(link)] == [b"c"]
+
+
+async def test_a_drain_whose_credit_the_transfers_use_up_is_answered_with_a_flow(tmp_path):
+    """The spec asks for a flow only when messages run out, but drain callers (go-amqp, the
+    Azure SDKs) wait for one, and RabbitMQ sends it: with 5 messages ready and a drain of 3,
+    we sent 3 transfers and no flow."""
+    async with gateway(tmp_path) as nsqd:
+        put(nsqd, "t", "c", [b"%d" % i for i in range(5)])
+        client = await Client.connect(nsqd.amqp_port)
+        link = await client.attach(p.RECEIVER, "/topics/t/channels/c")
+        link.flow(3, drain=True)
+        await client.until(lambda: client.take(ev.LinkFlow, link))
+        assert [body_of(d) for d in client.deliveries(link)] == [b"0", b"1", b"2"]
+        assert (link.credit, link.delivery_count, link.available) == (0, 3, 2)
+        link.flow(2, drain=False)  # not a drain: no flow owed when it is used up
+        await client.until(lambda: len(client.deliveries(link)) == 2)
+        await client.for_a_while(0.2)
+        assert client.take(ev.LinkFlow, link) == []
 
 
 async def test_a_released_range_comes_back_in_order_uncounted(tmp_path):
