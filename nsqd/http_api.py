@@ -32,7 +32,9 @@ from .channel import ChannelExiting
 from .diskq import DiskQueueError
 from .mpub import BadBatch, LinesBatch, MpubBatch, split_lines, split_mpub
 from .names import go_json_text, is_valid_channel_name, is_valid_topic_name
-from .options import OVERFLOW_POLICIES, TLS_REQUIRED, OptionsError, host_of, parse_log_level, split_host_port
+from .options import (
+    MAX_LOOKUPD_ADDRESSES, OVERFLOW_POLICIES, TLS_REQUIRED, OptionsError, host_of, parse_log_level, split_host_port,
+)
 from .protocol_v2 import go_millis_ns
 from .version import NSQD_VERSION
 
@@ -724,6 +726,8 @@ def _lookupd_addresses(body: bytes) -> list[str]:
         if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
             raise ValueError("not a list of strings")
         value = [go_json_text(address) for address in value]
+        if len(set(value)) > MAX_LOOKUPD_ADDRESSES:
+            raise ValueError("too many addresses")
         for address in value:
             split_host_port(address)
     except (ValueError, RecursionError):  # also OptionsError, JSON errors, and JSON nested too deep

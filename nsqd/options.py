@@ -283,6 +283,9 @@ def _default_node_id() -> int:
 
 
 _MIB = 1024 * 1024
+#: most nsqlookupd addresses: each has a task that dials, identifies and registers; 15,000 of them
+#: (one PUT /config, open to anyone as in Go) kept the event loop busy for seconds at a time
+MAX_LOOKUPD_ADDRESSES = 64
 
 
 def _default_max_connections() -> int:
@@ -535,6 +538,8 @@ class Options:
               "--amqps-address needs --tls-cert and --tls-key")
         for value in self.lookupd_tcp_addresses:
             _address("--lookupd-tcp-address", value)
+        _need(len(set(self.lookupd_tcp_addresses)) <= MAX_LOOKUPD_ADDRESSES,
+              f"--lookupd-tcp-address may be given at most {MAX_LOOKUPD_ADDRESSES} times")
         _need(bool(self.broadcast_address), "--broadcast-address must not be empty")
         for flag, port in (
             ("--broadcast-tcp-port", self.broadcast_tcp_port),

@@ -4,6 +4,7 @@ Each test pins one behaviour a client, a tool or a conformance suite can see,
 with the exact status, headers and bytes Go nsqd writes.
 """
 
+import json
 import re
 
 import pytest
@@ -72,6 +73,17 @@ async def test_config_lookupd_address_with_a_lone_surrogate_escape_reads_it_as_t
     response = await http.put("/config/nsqlookupd_tcp_addresses", b'["x\\ud800:4160"]')
     assert response.status == 200
     assert nsqd_server.options.lookupd_tcp_addresses == ["x\ufffd:4160"]
+
+
+async def test_config_lookupd_addresses_are_at_most_64(nsqd_server, http):
+    """15,000 addresses in one PUT (open to anyone, as in Go) started a dialing task each and kept
+    the event loop busy for seconds; more than 64 distinct ones are refused, the list unchanged."""
+    many = json.dumps([f"10.0.{i // 256}.{i % 256}:4160" for i in range(65)]).encode()
+    response = await http.put("/config/nsqlookupd_tcp_addresses", many)
+    assert (response.status, response.json()) == (400, {"message": "INVALID_VALUE"})
+    assert nsqd_server.options.lookupd_tcp_addresses == []
+    enough = json.dumps(["127.0.0.1:1"] * 100 + [f"10.0.0.{i}:4160" for i in range(63)]).encode()
+    assert (await http.put("/config/nsqlookupd_tcp_addresses", enough)).status == 200
 
 
 @pytest.mark.parametrize("version", [b"1.1", b"1.0"])

@@ -660,6 +660,8 @@ def test_config_file_values_are_validated(tmp_path, capsys):
         ({"max_deflate_level": 0}, "--max-deflate-level must be [1,9]"),
         ({"log_level": "trace"}, "--log-level must be one of debug, info, warn, error, fatal"),
         ({"log_format": "xml"}, "--log-format must be console or json"),
+        ({"lookupd_tcp_addresses": [f"10.0.0.{i}:4160" for i in range(65)]},
+         "--lookupd-tcp-address may be given at most 64 times"),
     ],
 )
 def test_validate_names_the_flag(changes, message):
@@ -683,6 +685,7 @@ def test_validate_names_the_flag(changes, message):
         {"tls_required": TLS_REQUIRED, "tls_cert": "c.pem", "tls_key": "k.pem"},
         {"amqps_address": "127.0.0.1:5671", "tls_cert": "c.pem", "tls_key": "k.pem"},
         {"max_msg_size": 10 * 1024 * 1024},  # Go nsqd does not tie it to max_body_size
+        {"lookupd_tcp_addresses": [f"10.0.0.{i}:4160" for i in range(64)] * 2},  # repeats count once
     ],
 )
 def test_validate_accepts_edges(changes):
