@@ -172,6 +172,9 @@ BAD_ESCAPE = re.compile(rb"%(?![0-9A-Fa-f]{2})")
 #: a line feed with no carriage return before it
 _BARE_LF = re.compile(rb"(?<!\r)\n")
 _ORDINARY_FAULTS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+#: what Go's net/http answers plain HTTP on a TLS port with, when the first five bytes say so
+PLAIN_HTTP_ON_HTTPS = b"HTTP/1.0 400 Bad Request\r\n\r\nClient sent an HTTP request to an HTTPS server.\n"
+_PLAIN_HTTP_STARTS = (b"GET /", b"HEAD ", b"POST ", b"PUT /", b"OPTIO")
 _STATUS_MESSAGES = {400: "BAD_REQUEST", 431: "HEADER_TOO_BIG", 501: "NOT_IMPLEMENTED"}
 
 
@@ -401,7 +404,13 @@ class _Connection:
             self._set_deadline("handshake", trio.current_time() + self.limits.head_timeout)
             stream = tls.TLSStream(self.raw_stream, self.server.tls_context)
             self.stream = stream
-            await stream.do_handshake()
+            try:
+                await stream.do_handshake()
+            except ssl.SSLError:
+                if stream.head[:5] in _PLAIN_HTTP_STARTS:  # as Go's net/http, in plain HTTP
+                    self._linger = True
+                    await self._send_raw(PLAIN_HTTP_ON_HTTPS)
+                raise
         while True:
             request = await self._read_head()
             if (request is None or not await self._answer(request) or conn.our_state is h11.MUST_CLOSE
@@ -575,6 +584,11 @@ class _Connection:
         """An error answer after which the connection closes (lingering: the client may be sending)."""
         self._linger = True
         await self._send(self.server.serialise(self.h11, response, close=True))
+
+    async def _send_raw(self, data: bytes) -> None:
+        """Bytes on the socket itself, under the send deadline (no TLS: it failed)."""
+        self._set_deadline("send", trio.current_time() + self.limits.send_timeout)
+        await self.raw_stream.send_all(data)
 
     async def _send(self, data: bytes) -> None:
         self._set_deadline("send", trio.current_time() + self.limits.send_timeout)

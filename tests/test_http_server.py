@@ -658,11 +658,17 @@ async def test_https_keep_alive_and_a_plain_client_on_the_https_port(tmp_path, c
         await client.send(b"GET /info HTTP/1.1\r\nHost: x\r\n\r\n")
         assert (await client.response()).json()["tcp_port"] == tcp_port(nsqd)
         await client.aclose()
-        # plain HTTP on the HTTPS port: dropped, and the server serves on
+        # plain HTTP on the HTTPS port: Go's plain answer, closed, and the server serves on
         with structlog.testing.capture_logs() as logs:
             plain = await Raw.open(port)
             await plain.send(b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert await plain.closed()
+            with trio.fail_after(5):
+                while await plain._fill():
+                    pass
+            assert bytes(plain.buf) == http_server.PLAIN_HTTP_ON_HTTPS
+            garbage = await Raw.open(port)  # anything else: closed without a word
+            await garbage.send(b"\x00\x01\x02\x03\x04\x05 not tls")
+            assert await garbage.closed()
         assert not [entry for entry in logs if entry["log_level"] in ("error", "critical")]
         assert topic_depth(nsqd, "t") == 1
 
