@@ -62,6 +62,8 @@ PROBE_BYTES = 1 << 20
 PROBE_FILE = ".nsqd-storage-probe"
 #: tries at writing what memory holds at shutdown before it is logged as lost
 SHUTDOWN_RETRIES = 3
+#: how long a stop waits for the commit rounds durable publishes wait on, so their answers go out
+CONFIRM_AT_STOP = 1.0
 #: fewest messages a step of a big batch holds, however many channels share them
 MIN_STEP_MESSAGES = 1024
 #: most channels a new topic takes from nsqlookupd: 110,000 names (900 KB) made as many disk
@@ -918,6 +920,7 @@ class Broker:
             channel.on_settled = settled.unpark_all
             for sub in list(channel.subscriptions.values()):
                 sub.consumer.drain()
+        await self._settle_confirmations()
         in_flight = sum(c.in_flight_count for c in self.channels())
         log.info("draining", in_flight=in_flight, grace=self.options.shutdown_grace)
         with trio.move_on_after(self.options.shutdown_grace):
@@ -925,6 +928,16 @@ class Broker:
                 await settled.park()  # woken whenever a channel's in-flight messages are settled
         left = sum(c.in_flight_count for c in self.channels())
         log.info("drained", finished=in_flight - left, still_in_flight=left)
+
+    async def _settle_confirmations(self) -> None:
+        """Durable publishes taken before the drain are answered before connections close (no new
+        ones come): their commit rounds settle, and the connections woken by them write."""
+        with trio.move_on_after(CONFIRM_AT_STOP):
+            for topic in list(self.topics.values()):
+                for queue in [topic.backend, *(c.backend for c in topic.channels.values())]:
+                    if queue is not None and not queue.closed:
+                        await queue.settle_confirmations()
+            await trio.lowlevel.checkpoint()  # tasks those rounds woke run before we go on
 
     async def _persist(self) -> None:
         """Write everything held in memory to the disk queues, close them, save metadata.

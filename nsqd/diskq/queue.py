@@ -232,6 +232,8 @@ class DiskQueue:
         #: a round that synced, whose waiters are answered once the next round is under way (never
         #: across an await: see :meth:`_release_synced`)
         self._synced_round: _CommitRound | None = None
+        #: the round being committed (its sync under way)
+        self._committing: _CommitRound | None = None
         self._running = False
         #: run() was started with start_soon and will be running soon (see :meth:`run_scheduled`)
         self._run_scheduled = False
@@ -557,6 +559,21 @@ class DiskQueue:
         if commit.error is not None:
             raise _copy_for_waiter(commit.error)
 
+    async def settle_confirmations(self) -> None:
+        """Return once the commit rounds that publishes wait on now have answered them.
+
+        Forces no round (a round starts only for a waiter): a stopping daemon
+        lets the confirmations under way go out before connections close.
+        """
+        while (commit := self._unsettled_round()) is not None:
+            await commit.wait()
+
+    def _unsettled_round(self) -> _CommitRound | None:
+        for commit in (self._committing, self._synced_round, self._next_round):
+            if commit is not None and not commit.finished and (commit.waiters or commit is not self._next_round):
+                return commit
+        return None
+
     def on_durable(self, callback: Callable[[DiskQueueError | None], None]) -> None:
         """Call ``callback`` once every record put before this call is on stable storage.
 
@@ -676,6 +693,13 @@ class DiskQueue:
     async def _commit(self, checkpoint: bool) -> None:
         """One round: fsync in a thread if anything is unsynced, release the waiters, save a checkpoint."""
         commit, self._next_round = self._next_round, _CommitRound()
+        self._committing = commit
+        try:
+            await self._commit_round(commit, checkpoint)
+        finally:
+            self._committing = None
+
+    async def _commit_round(self, commit: _CommitRound, checkpoint: bool) -> None:
         target = self._put_count
         if checkpoint:  # on failure too: the next try waits for the timeout, no busy retry
             self._checkpoint_due = False
