@@ -166,6 +166,24 @@ async def consume_distinct(port: int, topic: str, channel: str, count: int, *, r
     return got
 
 
+async def consume_until_quiet(port: int, topic: str, channel: str = "c", *, rdy: int = 1000,
+                              idle: float = 1.0) -> list[bytes]:
+    """Subscribe on a new connection and FIN everything, in the order delivered, until nothing
+    comes for ``idle`` seconds; the bodies."""
+    conn = await NSQConnection.open(port)
+    await conn.sub(topic, channel)
+    await conn.command(f"RDY {rdy}")
+    got = []
+    while True:
+        try:
+            msg = await conn.read_message(timeout=idle)
+        except trio.TooSlowError:
+            await conn.close()
+            return got
+        got.append(msg.body)
+        await conn.command(b"FIN " + msg.id)
+
+
 def mpub_body(bodies: list[bytes]) -> bytes:
     return struct.pack(">i", len(bodies)) + b"".join(struct.pack(">i", len(b)) + b for b in bodies)
 

@@ -17,7 +17,7 @@ import signal
 import pytest
 import trio
 
-from .support import Daemon, NSQConnection
+from .support import Daemon, NSQConnection, consume_until_quiet
 
 ROUNDS = int(os.environ.get("NSQD_CRASH_ROUNDS", "20"))
 PUBLISHERS = 4
@@ -52,20 +52,6 @@ async def consumer(port: int, topic: str, received: list[bytes], rdy: int = 200)
         return
 
 
-async def drain(port: int, topic: str, idle: float = 1.0) -> list[bytes]:
-    conn = await NSQConnection.open(port)
-    await conn.sub(topic, "c")
-    await conn.command("RDY 1000")
-    got = []
-    while True:
-        try:
-            msg = await conn.read_message(timeout=idle)
-        except trio.TooSlowError:
-            return got
-        got.append(msg.body)
-        await conn.command(b"FIN " + msg.id)
-
-
 async def crash_rounds(tmp_path, mode: str, args: list[str], seed: int) -> None:
     rng = random.Random(seed)
     report = REPORT.setdefault(mode, {"kills": 0, "confirmed": 0, "lost": 0, "duplicates": 0})
@@ -90,7 +76,7 @@ async def crash_rounds(tmp_path, mode: str, args: list[str], seed: int) -> None:
             report["kills"] += 1
             daemon = Daemon(tmp_path, *args)
             await daemon.wait_ready()
-            after = await drain(daemon.port, topic)
+            after = await consume_until_quiet(daemon.port, topic)
             seen = set(before) | set(after)
             lost = confirmed - seen
             report["confirmed"] += len(confirmed)

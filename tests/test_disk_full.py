@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from .conftest import HTTPClient
-from .support import Daemon, NSQConnection, consume_distinct, free_port, mpub_body
+from .support import Daemon, NSQConnection, consume_distinct, consume_until_quiet, free_port, mpub_body
 
 
 @pytest.fixture
@@ -342,18 +342,8 @@ async def test_shutdown_on_a_full_disk_exits_0_and_keeps_what_it_confirmed(small
     await daemon.wait_ready()
     saved = json.loads((small_fs / "nsqd.dat").read_bytes())
     assert [t["name"] for t in saved["topics"]] == ["t"]
-    conn = await NSQConnection.open(daemon.port)
-    await conn.sub("t", "c")
-    await conn.command("RDY 500")
-    got = []
-    while True:  # what fitted was written, in order, each once
-        try:
-            msg = await conn.read_message(timeout=1)
-        except trio.TooSlowError:
-            break
-        got.append(msg.body)
-        await conn.command(b"FIN " + msg.id)
-    assert got and got == confirmed[:len(got)]
+    got = await consume_until_quiet(daemon.port, "t")
+    assert got and got == confirmed[:len(got)]  # what fitted was written, in order, each once
     assert await daemon.stop() == 0
 
 
@@ -395,17 +385,7 @@ async def test_shutdown_on_a_full_disk_with_a_lease_writes_what_fits_and_counts_
     ballast.unlink()
     daemon = Daemon(small_fs)
     await daemon.wait_ready()
-    conn = await NSQConnection.open(daemon.port)
-    await conn.sub("t", "c")
-    await conn.command("RDY 500")
-    got = []
-    while True:
-        try:
-            msg = await conn.read_message(timeout=1)
-        except trio.TooSlowError:
-            break
-        got.append(msg.body)
-        await conn.command(b"FIN " + msg.id)
+    got = await consume_until_quiet(daemon.port, "t")
     assert len(got) == len(bodies) - lost and set(got) <= set(bodies)
     assert await daemon.stop() == 0
 

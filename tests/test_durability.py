@@ -9,7 +9,9 @@ import trio
 from nsqd.diskq.naming import queue_stem
 
 from .conftest import HTTPClient
-from .support import FRAME_RESPONSE, Daemon, NSQConnection, consume_distinct, free_port, running_nsqd, tcp_port
+from .support import (
+    FRAME_RESPONSE, Daemon, NSQConnection, consume_distinct, consume_until_quiet, free_port, running_nsqd, tcp_port,
+)
 from .test_bounded_memory import Subprocess
 
 
@@ -133,17 +135,7 @@ async def test_a_durable_publish_waiting_for_its_fsync_when_sigterm_comes_is_ans
     assert answered and all(e.startswith(b"E_PUB_FAILED") for e in refused)
     daemon = Daemon(tmp_path)
     await daemon.wait_ready()
-    conn = await NSQConnection.open(daemon.port)
-    await conn.sub("t", "c")
-    await conn.command("RDY 500")
-    kept = []
-    while True:  # everything the topic kept, until it stays quiet
-        try:
-            msg = await conn.read_message(timeout=2)
-        except trio.TooSlowError:
-            break
-        kept.append(msg.body)
-        await conn.command(b"FIN " + msg.id)
+    kept = await consume_until_quiet(daemon.port, "t", idle=2)
     assert sorted(kept) == sorted(answered)
     assert await daemon.stop() == 0
 
