@@ -101,8 +101,12 @@ class InFlight:
         delivery = self.map.pop(msg_id, None)
         if delivery is None:
             return False
-        frame, pos = delivery.item(msg_id)
         deadline = min(now + timeout, delivery.delivered_at + max_timeout)
+        if len(delivery.ids) == 1:  # touched before, or delivered alone: the same delivery moves on
+            delivery.deadline = deadline
+            self.map[msg_id] = delivery
+            return True
+        frame, pos = delivery.item(msg_id)
         self.map[msg_id] = touched = Delivery(deadline, delivery.delivered_at, [msg_id], [frame],
                                               None if pos is None else (pos,))
         if pos is not None:
@@ -161,9 +165,10 @@ class InFlight:
         finished = self.map.keys().isdisjoint
         live: list[Delivery] = []
         self.refine_later = False
+        live_map = self.map
         for delivery in self.deliveries:
-            if finished(delivery.ids):
-                continue  # every message of it is finished: forget it
+            if finished(delivery.ids) or not any(live_map.get(msg_id) is delivery for msg_id in delivery.ids):
+                continue  # every message of it is finished, or in flight under a later delivery: forget it
             live.append(delivery)
             positions = delivery.positions
             if positions is None:

@@ -35,3 +35,21 @@ def test_a_touched_message_is_kept_once_under_its_new_delivery():
     in_flight.finish(ids(3)[0])
     in_flight.finish(ids(3)[2])
     assert in_flight.kept(None) == ([(20, 20, None)], 1)
+
+
+def test_touching_a_message_again_and_again_keeps_one_delivery_for_it():
+    """Every TOUCH of a disk-backed message made a new delivery, and the one it replaced was
+    never forgotten while the message lived: a consumer re-touching 2,500 messages grew the
+    daemon by 1.7 GB in 30 s. A message touched again keeps its one delivery, and a batch whose
+    messages all moved on to later deliveries is forgotten."""
+    in_flight = InFlight()
+    in_flight.add(ids(3), [b"f"] * 3, [10, 20, 30], deadline=5, now=0)
+    for now in range(1, 1001):
+        for msg_id in ids(3):
+            assert in_flight.touch(msg_id, now=now, timeout=5, max_timeout=10**9)
+    assert len(in_flight.deliveries) == 4  # the batch, and one for each message
+    assert in_flight.kept(None) == ([(10, 10, None), (20, 20, None), (30, 30, None)], 3)
+    assert len(in_flight.deliveries) == 3  # the batch is forgotten
+    assert in_flight.next_deadline() == 1005
+    assert in_flight.expire(1004) == []
+    assert [pos for _, pos in in_flight.expire(1005)] == [10, 20, 30]  # items: (frame, position)
