@@ -315,16 +315,17 @@ class GatewayConnection:
         # transfers still waiting for the peer's session windows count against the round: a peer
         # that keeps its windows shut holds one round's messages, not one per session
         start = left = FILL_BYTES - self.engine.window_held
-        for i in range(self._fill_next, self._fill_next + count):
-            link, consumer = items[i % count]
-            if consumer.closing:
-                self._forget(link)
-                link.detach(Error(RESOURCE_DELETED, f"channel {consumer.channel_name} was deleted"))
-            elif link.attached and (left > 0 or link.drain or consumer.echo):
-                left -= consumer.fill(now_ns, left)
-                self.stopped_short = self.stopped_short or consumer.stopped_short
-                if left <= 0 < start:
-                    self._fill_next = (i + 1) % count
+        with self.budget.counted():  # the links' takes share it: counted once, not once a link
+            for i in range(self._fill_next, self._fill_next + count):
+                link, consumer = items[i % count]
+                if consumer.closing:
+                    self._forget(link)
+                    link.detach(Error(RESOURCE_DELETED, f"channel {consumer.channel_name} was deleted"))
+                elif link.attached and (left > 0 or link.drain or consumer.echo):
+                    left -= consumer.fill(now_ns, left)
+                    self.stopped_short = self.stopped_short or consumer.stopped_short
+                    if left <= 0 < start:
+                        self._fill_next = (i + 1) % count
 
     @property
     def publishers_starved(self) -> bool:

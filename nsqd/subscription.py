@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol
 
 from . import message
@@ -54,15 +56,33 @@ class Consumer(Protocol):
 class Budget:
     """One connection's in-flight allowance, shared by its subscriptions."""
 
-    __slots__ = ("limit", "subscriptions")
+    __slots__ = ("limit", "subscriptions", "held")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.subscriptions: list[Subscription] = []
+        #: ``used`` counted once for a round of fills (see :meth:`counted`), kept up to date by its
+        #: takes: a connection with 1,024 AMQP links summed 1,024 counts for each link's fill
+        self.held: int | None = None
 
     @property
     def used(self) -> int:
-        return sum(s.in_flight_count for s in self.subscriptions)
+        held = self.held
+        return sum(s.in_flight_count for s in self.subscriptions) if held is None else held
+
+    @contextmanager
+    def counted(self) -> Iterator[None]:
+        """Count ``used`` once for a synchronous round of takes by several subscriptions."""
+        self.held = self.used
+        try:
+            yield
+        finally:
+            self.held = None
+
+    def changed(self, delta: int) -> None:
+        """Messages went in or out of flight during a round (:meth:`counted`)."""
+        if self.held is not None:
+            self.held += delta
 
     @property
     def free(self) -> int:
@@ -169,6 +189,7 @@ class Subscription:
             add(ids, frames, positions, deadline, now_ns)
             taken += len(ids)
         self.message_count += taken
+        self.budget.changed(taken)
         return pieces
 
     # ---------------------------------------------------------------- settle
@@ -293,6 +314,7 @@ class Subscription:
         for msg_id in ids:
             pop(msg_id, None)
         self.finish_count += len(ids)
+        self.budget.changed(-len(ids))
         if self.channel.failed or self.channel.released:
             self.channel.forget(ids)
         self.channel.settled()

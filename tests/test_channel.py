@@ -268,6 +268,24 @@ def test_one_budget_bounds_every_subscription_of_a_connection():
     assert budget.used == 6
 
 
+def test_a_budget_counted_once_for_a_round_follows_the_takes_and_forgets_in_it():
+    """An AMQP connection's fill round counts what its links hold once (1,024 links summed 1,024
+    counts for each link's fill: a quarter of a second a round); the round's takes keep it true."""
+    a, b, c = channel(name="a"), channel(name="b"), channel(name="c")
+    for n, ch in enumerate((a, b, c)):
+        ch.put_chunk(*chunk(10, 100 * n))
+    budget = Budget(12)
+    sa, sb, sc = (subscribe(ch, budget=budget)[0] for ch in (a, b, c))
+    with budget.counted():
+        assert len(ids_of([f for _, frames, _ in sa.take(5, 0) for f in frames])) == 5
+        taken = [f for _, frames, _ in sb.take(10, 0) for f in frames]
+        assert len(taken) == 7  # 12 - 5
+        sb.forget_in_flight(ids_of(taken[:3]))  # pre-settled: out of flight at once
+        assert len(sc.take(10, 0)[0][0]) == 3
+        assert budget.used == 12
+    assert budget.held is None and budget.used == 12 == sum(s.in_flight_count for s in (sa, sb, sc))
+
+
 def test_leases_count_in_the_budget_that_opened_them():
     ch = channel()
     ch.put_chunk(*chunk(50))
