@@ -141,6 +141,8 @@ class Channel:
         self.exiting = False
         #: shutdown in progress: nothing more is delivered
         self.draining = False
+        #: the last process_in_flight stopped at its step with more maybe timed out (see there)
+        self.timeouts_left = False
         #: called whenever in-flight messages are settled (the shutdown drain waits on it)
         self.on_settled: Callable[[], None] | None = None
         #: called once, the next time messages leave the queue (publishers wait for room on it)
@@ -835,22 +837,32 @@ class Channel:
 
     # ------------------------------------------------------------ queue scan
     def process_in_flight(self, now_ns: int) -> bool:
-        """Requeue every timed-out message; True if there was any (never in a deleted channel)."""
+        """Requeue timed-out messages, at most ``EXAMINE_STEP`` (``timeouts_left`` says whether
+        it stopped there: the caller comes back after other tasks ran; 100,000 at once held the
+        event loop for 250 ms); True if there was any (never in a deleted channel)."""
+        self.timeouts_left = False
         if self.exiting:
             return False
         dirty = False
+        left = EXAMINE_STEP
         for sub in list(self.subscriptions.values()):
-            items = sub.in_flight.expire(now_ns)
+            items = sub.in_flight.expire(now_ns, left)
             if items:
                 dirty = True
+                left -= len(items)
                 sub.timeout_count += len(items)
                 sub.consumer.timed_out(len(items))
                 self._timed_out(items)
                 sub.consumer.wake()
-        items = self.leases.expire(now_ns)
-        if items:
-            dirty = True
-            self._timed_out(items)
+                if not left:
+                    break
+        if left:
+            items = self.leases.expire(now_ns, left)
+            if items:
+                dirty = True
+                left -= len(items)
+                self._timed_out(items)
+        self.timeouts_left = not left
         if dirty:
             self._wake(self._mem_count)
             self.settled()

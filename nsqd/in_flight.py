@@ -118,11 +118,11 @@ class InFlight:
             return delivery.deadline
         return None
 
-    def expire(self, now: int) -> list[Item]:
-        """Remove and return the messages whose deadline has passed, oldest first."""
+    def expire(self, now: int, limit: int | None = None) -> list[Item]:
+        """Remove and return the messages whose deadline has passed, oldest first (at most ``limit``)."""
         expired = []
         for msg_id, delivery in self.map.items():
-            if delivery.deadline > now:
+            if delivery.deadline > now or len(expired) == limit:
                 break
             expired.append(msg_id)
         if not expired:

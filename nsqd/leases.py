@@ -123,8 +123,8 @@ class Leases:
     def get(self, name: str) -> Lease | None:
         return self.by_name.get(name)
 
-    def expire(self, now_ns: int) -> list[Item]:
-        """Timed-out messages of every lease; leases left empty and sealed go.
+    def expire(self, now_ns: int, limit: int | None = None) -> list[Item]:
+        """Timed-out messages of every lease (at most ``limit``); leases left empty and sealed go.
 
         The holder of a lease that lost messages is woken, as a subscription
         whose messages timed out is: its budget has room again, and it may
@@ -133,7 +133,9 @@ class Leases:
         """
         expired: list[Item] = []
         for lease in list(self.by_name.values()):
-            items = lease.in_flight.expire(now_ns)
+            if limit is not None and len(expired) >= limit:
+                break
+            items = lease.in_flight.expire(now_ns, None if limit is None else limit - len(expired))
             if not items:
                 if lease.sealed and not lease.in_flight:
                     self._drop(lease)

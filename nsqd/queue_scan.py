@@ -68,6 +68,9 @@ class WorkerPool:
             async for channel in self._work:
                 now = self._now_ns()
                 dirty = channel.process_in_flight(now)
+                while channel.timeouts_left:  # a mass timeout, in steps: other tasks run between
+                    await trio.lowlevel.checkpoint()
+                    channel.process_in_flight(now)
                 dirty = channel.process_deferred(now) or dirty
                 await self._responses.send(dirty)
 

@@ -171,6 +171,33 @@ def test_finish_checks_ownership():
     assert second.requeue(ids[0], 0, 0) == NOT_IN_FLIGHT
 
 
+def test_a_mass_timeout_is_requeued_a_step_at_a_time():
+    """100,000 messages timing out at once were requeued in one go (250 ms of the event loop):
+    a call requeues at most EXAMINE_STEP, over subscriptions and leases, and says whether it
+    stopped there (the scan's worker comes back after other tasks ran)."""
+    from nsqd.channel import EXAMINE_STEP
+
+    ch = channel(mem_queue_size=20_000)
+    ch.put_chunk(*chunk(10_000))
+    first, _ = subscribe(ch, rdy=3_000, timeout=10)
+    second, _ = subscribe(ch, rdy=7_000, timeout=10)
+    fill(first)
+    second.take(6_000, 0)
+    second.open_lease("l", 0)
+    fill(second)  # the last 1,000, in a lease
+    assert ch.in_flight_count == 10_000
+    steps = []
+    while True:
+        before = ch.timeout_count
+        ch.process_in_flight(10)
+        steps.append(ch.timeout_count - before)
+        if not ch.timeouts_left:
+            break
+    assert steps == [EXAMINE_STEP, EXAMINE_STEP, 10_000 - 2 * EXAMINE_STEP]
+    assert ch.in_flight_count == 0 and ch.depth == 10_000
+    assert first.timeout_count + second.timeout_count == 9_000
+
+
 def test_timeout_requeues_to_back_with_attempts_bumped():
     """As nsqd's ``put``: the messages waiting go first, then the timed-out ones."""
     ch = channel()
