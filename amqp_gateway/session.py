@@ -394,6 +394,7 @@ class Session:
             ids = [(first + i) & serial.MASK for i in range(count)]
         else:
             ids = [d for d in unsettled if serial.diff(d, first) >= 0 and serial.diff(last, d) >= 0]
+        self.connection.ids_examined += min(count, len(unsettled))
         by_link: dict[Link, list[bytes]] = {}
         pop = unsettled.pop
         for did in ids:
