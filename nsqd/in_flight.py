@@ -27,7 +27,7 @@ Item = tuple[bytes, "int | None"]
 class Delivery:
     """Messages sent to one holder in one batch; they share a deadline."""
 
-    __slots__ = ("deadline", "delivered_at", "ids", "frames", "positions", "noted", "_index")
+    __slots__ = ("deadline", "delivered_at", "ids", "frames", "positions", "noted", "moved", "_index")
 
     def __init__(self, deadline: int, delivered_at: int, ids: list[bytes], frames: list[bytes],
                  positions: list[int] | tuple[int, ...] | None) -> None:
@@ -38,6 +38,9 @@ class Delivery:
         self.positions = positions
         #: a checkpoint kept it whole once (see :meth:`InFlight.kept`)
         self.noted = False
+        #: a message of it left other than finished (REQ, reject, TOUCH, timeout): its record may
+        #: be listed by its new holder, so the batch is never kept whole (see :meth:`InFlight.kept`)
+        self.moved = False
         self._index: dict[bytes, int] | None = None
 
     def locate(self, msg_id: bytes) -> int:
@@ -94,7 +97,10 @@ class InFlight:
     def take(self, msg_id: bytes) -> Item | None:
         """Remove a message and return it (REQ, reject)."""
         delivery = self.map.pop(msg_id, None)
-        return None if delivery is None else delivery.item(msg_id)
+        if delivery is None:
+            return None
+        delivery.moved = True
+        return delivery.item(msg_id)
 
     def touch(self, msg_id: bytes, now: int, timeout: int, max_timeout: int) -> bool:
         """Move a message's deadline to ``now + timeout``, capped at delivery + max."""
@@ -106,6 +112,7 @@ class InFlight:
             delivery.deadline = deadline
             self.map[msg_id] = delivery
             return True
+        delivery.moved = True
         frame, pos = delivery.item(msg_id)
         self.map[msg_id] = touched = Delivery(deadline, delivery.delivered_at, [msg_id], [frame],
                                               None if pos is None else (pos,))
@@ -128,7 +135,12 @@ class InFlight:
         if not expired:
             return []
         pop = self.map.pop
-        return [pop(msg_id).item(msg_id) for msg_id in expired]
+        items = []
+        for msg_id in expired:
+            delivery = pop(msg_id)
+            delivery.moved = True
+            items.append(delivery.item(msg_id))
+        return items
 
     def drain(self) -> list[Item]:
         """Remove and return every message, in delivery order."""
@@ -155,7 +167,12 @@ class InFlight:
         delivery; ``refine_later`` then asks for another checkpoint); from the
         next checkpoint on only its unfinished messages are kept, as runs of
         neighbours, so a consumer holding one message of a batch does not make
-        a crash deliver the rest again. Scattered
+        a crash deliver the rest again. A delivery a message left other than
+        finished (REQ, reject, TOUCH, a timeout) is never kept whole: that
+        message's new holder (the queue, the deferred heap or index, another
+        delivery, the dead letters) lists its record too, and a whole interval
+        counted it a second time, so the depth rebuilt after a crash counted
+        records that are read back only once. Scattered
         messages (``positions`` a tuple), or every message with ``singles``,
         are one interval each. Returns the intervals and how many messages
         they cover.
@@ -178,7 +195,7 @@ class InFlight:
                         if self.map.get(msg_id) is delivery]
                 out += held
                 count += len(held)
-            elif delivery.noted:
+            elif delivery.noted or delivery.moved:
                 count += _live_runs(delivery, self.map, note, out)
             else:
                 delivery.noted = True

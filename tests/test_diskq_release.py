@@ -116,6 +116,36 @@ def test_notes_on_kept_records_not_read_again_survive_a_second_restart(tmp_path)
     queue.close()
 
 
+def test_a_kept_count_above_the_records_kept_is_corrected_once_they_are_read_back(tmp_path):
+    """A keeper that lists a record twice (an in-flight batch kept whole and a message of it REQ'd
+    meanwhile) saved a count above the records kept: the depth rebuilt after a crash counted
+    records that are read back once, /stats showed it until the reader reached the end of the
+    data, and diskq_depth_reconciled then suggested damage."""
+
+    class Twice(Keeper):
+        def __call__(self):
+            kept, count = super().__call__()
+            return kept + [(kept[0][0], kept[0][0], {"d": 1})], count + 1  # the first one again
+
+    queue = DiskQueue("q", tmp_path)
+    queue.keeper = Twice()
+    queue.put_many(payloads(10))
+    _, positions = queue.read_positioned(6)
+    queue.keeper.held = {positions[1]: None, positions[4]: None}
+    queue.close()
+
+    with capture_logs() as logs:
+        queue = DiskQueue("q", tmp_path)
+        assert queue.depth == 4 + 3  # as saved: reading the kept records back finds two of them
+        assert [queue.read_many(1) for _ in range(3)] == [[payloads(10)[1]], [payloads(10)[4]], [payloads(10)[6]]]
+        assert queue.depth == 3  # not 4: corrected as the reader passed the kept records
+        assert drain(queue) == payloads(3, start=7)
+        assert queue.depth == 0
+        queue.close()
+    assert not [log for log in logs if log["event"] == "diskq_depth_reconciled"]
+    assert [log["records"] for log in logs if log["event"] == "diskq_kept_records_not_found"] == [1]
+
+
 def test_held_records_stay_until_the_keeper_lets_them_go(tmp_path):
     queue = DiskQueue("q", tmp_path)
     keeper = queue.keeper = Keeper()

@@ -585,3 +585,52 @@ async def test_a_durable_backlog_moved_to_its_channel_is_not_moved_again_by_each
         assert sorted(bodies) == [b"%04d" % i for i in range(1000)]  # each once
     finally:
         assert await daemon.stop() == 0
+
+
+async def test_the_depth_after_a_crash_counts_a_batch_s_requeued_and_touched_messages_once(tmp_path):
+    """--mem-queue-size=0: of a batch of ten read from disk, one is REQ'd with a delay (the deferred
+    heap keeps its record), one more (the deferred index), one REQ'd at once (back in the queue),
+    one TOUCHed (a delivery of its own) and one finished, all before the first checkpoint that sees
+    the batch. That checkpoint kept the batch whole and counted it as ten, and the four that had
+    moved on were counted again by their new holders: after a SIGKILL /stats showed a depth four
+    above the messages delivered, until the reader reached the end of the data and logged
+    ``diskq_depth_reconciled counted=4`` as if records had been lost to damage."""
+    http_port = free_port()
+    # checkpoints only every 40 records put or read: the 10 published last ask for the one that
+    # sees the batch (20 published, 10 read); none comes from the timer meanwhile
+    args = ["--mem-queue-size=0", "--sync-every=40", "--sync-timeout=30s", f"--http-address=127.0.0.1:{http_port}"]
+    daemon = Daemon(tmp_path, *args)
+    await daemon.wait_ready()
+    try:
+        publisher = await NSQConnection.open(daemon.port)
+        await publisher.mpub("t", [b"a%02d" % i for i in range(20)])
+        consumer = await NSQConnection.open(daemon.port)
+        await consumer.sub("t", "c")
+        await consumer.command("RDY 10")
+        batch = [await consumer.read_message() for _ in range(10)]
+        await consumer.command("RDY 0")
+        await consumer.command(b"REQ " + batch[0].id + b" 1000")
+        await consumer.command(b"REQ " + batch[1].id + b" 1000")
+        await consumer.command(b"REQ " + batch[2].id + b" 0")
+        await consumer.command(b"TOUCH " + batch[3].id)
+        await consumer.command(b"FIN " + batch[4].id)
+        await consumer.command("NOP")
+        await trio.sleep(0.2)
+        await publisher.mpub("t", [b"b%02d" % i for i in range(10)])
+        await trio.sleep(0.5)  # the checkpoint they asked for
+    except BaseException:
+        await daemon.stop()
+        raise
+    assert await daemon.stop(signal.SIGKILL) == -signal.SIGKILL
+    daemon = Daemon(tmp_path, *args)
+    await daemon.wait_ready()
+    try:
+        stats = (await HTTPClient(http_port).get("/stats?format=json&topic=t")).json()
+        channel = stats["topics"][0]["channels"][0]
+        assert (channel["in_flight_count"], channel["deferred_count"]) == (0, 0)
+        bodies = await consume_until_quiet(daemon.port, "t", idle=2.0)
+        assert {b"a%02d" % i for i in range(20) if i != 4} | {b"b%02d" % i for i in range(10)} <= set(bodies)
+        assert channel["depth"] == len(bodies) == 29
+    finally:
+        assert await daemon.stop() == 0
+    assert b"diskq_depth_reconciled" not in daemon.proc.stderr.read()

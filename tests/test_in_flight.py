@@ -27,6 +27,33 @@ def test_a_batch_is_one_interval_at_first_then_only_its_unfinished_runs():
     assert in_flight.deliveries == []  # forgotten once nothing of it is left
 
 
+def test_a_batch_a_message_left_unfinished_is_never_kept_whole():
+    """A message REQ'd, touched or timed out before the first checkpoint that sees its batch is
+    listed by its new holder (the queue, the deferred heap, its own delivery): keeping the batch
+    whole counted it twice, and after a SIGKILL the disk queue's depth counted records that were
+    read back once (logged as diskq_depth_reconciled once the reader reached the end)."""
+    in_flight = InFlight()
+    positions = [1000 + 100 * n for n in range(10)]
+    in_flight.add(ids(10), [b"frame"] * 10, positions, deadline=5, now=0)
+    assert in_flight.take(ids(10)[0]) == (b"frame", 1000)  # REQ: the channel lists it from now on
+    assert in_flight.touch(ids(10)[1], now=1, timeout=5, max_timeout=100)  # its own delivery lists it
+    in_flight.finish(ids(10)[2])
+    assert in_flight.kept("n") == ([(1300, 1900, "n"), (1100, 1100, "n")], 8)
+
+    # REQ'd and delivered again before the first checkpoint: counted once, under its new delivery
+    again = InFlight()
+    again.add(ids(4), [b"frame"] * 4, positions[:4], deadline=5, now=0)
+    frame, pos = again.take(ids(4)[0])
+    again.add([ids(4)[0]], [frame], (pos,), deadline=6, now=1)
+    assert again.kept("n") == ([(1100, 1300, "n"), (1000, 1000, "n")], 4)
+
+    # a mass timeout is given back a step at a time: the rest of the batch is still in flight
+    timed_out = InFlight()
+    timed_out.add(ids(4), [b"frame"] * 4, positions[:4], deadline=5, now=0)
+    assert [pos for _, pos in timed_out.expire(5, limit=3)] == [1000, 1100, 1200]  # back in the queue
+    assert timed_out.kept("n") == ([(1300, 1300, "n")], 1)
+
+
 def test_a_touched_message_is_kept_once_under_its_new_delivery():
     in_flight = InFlight()
     in_flight.add(ids(3), [b"f"] * 3, [10, 20, 30], deadline=5, now=0)

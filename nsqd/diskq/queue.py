@@ -409,7 +409,10 @@ class DiskQueue:
                 read_any = bool(records)
                 records = self._filter(records, found, first)
                 if self._filter_until is not None and (reader.position >= self._filter_until or reader.caught_up):
+                    missing = self._kept_unread
                     self._end_filter()
+                    if missing:
+                        self._kept_not_found(missing)
                 if not records and read_any:
                     continue  # everything read was finished before the stop, or reserved: read on
             break
@@ -489,6 +492,13 @@ class DiskQueue:
         del found[first:]
         found += kept_positions
         return kept_records
+
+    def _kept_not_found(self, missing: int) -> None:
+        """The records kept before the last stop were read back, and ``missing`` of those the saved
+        count promised were not there (damaged, or listed twice by the keeper): the depth counted
+        them, so it drops them now rather than when the reader reaches the end of the data."""
+        self._log.warning("diskq_kept_records_not_found", records=missing)
+        self._depth = max(self._depth - missing, 0 if self._reader.caught_up else 1)
 
     def _end_filter(self) -> None:
         self._filter_until = None
