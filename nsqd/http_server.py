@@ -207,7 +207,10 @@ class HTTPServer:
         self.app = app
         self.limits = limits
         self.tls_context = tls_context
+        #: the connections counted against max_connections
         self._connections: set[_Connection] = set()
+        #: every connection whose task runs, those closed to make room included (a stop covers them)
+        self._running: set[_Connection] = set()
         #: connections waiting for a request head, oldest wait first: the ones closed at the cap
         self._waiting: dict[_Connection, None] = {}
         #: connections waiting for more of a request body, on another server for the app or for the
@@ -227,7 +230,7 @@ class HTTPServer:
                 await accept_loop(listener, partial(self._admit, handlers=handlers), log, "HTTP ")
             finally:  # cancelled: the daemon stops
                 deadline = trio.current_time() + STOP_ANSWER_TIME
-                for connection in list(self._connections):
+                for connection in list(self._running):
                     connection.stop(deadline)
 
     def _admit(self, stream: trio.SocketStream, handlers: trio.Nursery) -> None:
@@ -242,6 +245,7 @@ class HTTPServer:
             return
         connection = _Connection(self, stream)
         self._connections.add(connection)
+        self._running.add(connection)
         handlers.start_soon(connection.run)
 
     def _evict_one(self) -> bool:
@@ -256,6 +260,8 @@ class HTTPServer:
             del self._stalled[connection]
         else:
             return False
+        self._waiting.pop(connection, None)  # a connection answering a bad head is in both
+        self._stalled.pop(connection, None)
         self._connections.discard(connection)
         connection.evict()
         return True
@@ -330,6 +336,8 @@ class _Connection:
         #: (``stop`` gives it a deadline instead)
         self._shield = trio.CancelScope(shield=True)
         self._stopping = False
+        #: a deadline passed and ``_scope`` is over: what the phase calls for is being answered
+        self._answering_deadline = False
         #: the scope of the app's wait on another server, while it lasts
         self._elsewhere: trio.CancelScope | None = None
         self._phase = "idle"  # what the deadline guards: handshake, idle, head, app, body or send
@@ -346,6 +354,8 @@ class _Connection:
         self._evicted = True
         if self._elsewhere is not None:
             self._elsewhere.cancel()  # only the wait: the app's request ends in Evicted
+        elif self._answering_deadline:
+            self._shield.cancel()  # its 408 (the client does not take it): close now
         else:
             self._scope.cancel()
 
@@ -380,6 +390,7 @@ class _Connection:
                 with self._scope:
                     await self._serve()
                 if self._scope.cancelled_caught:
+                    self._answering_deadline = True
                     await self._deadline_passed()
         except _ORDINARY_FAULTS as exc:
             self._linger = False
@@ -389,6 +400,7 @@ class _Connection:
             log.exception("HTTP connection failed", client=self.remote)
         finally:
             self.server._connections.discard(self)
+            self.server._running.discard(self)
             self.server._waiting.pop(self, None)
             self.server._stalled.pop(self, None)
             try:
@@ -407,8 +419,7 @@ class _Connection:
             try:
                 await stream.do_handshake()
             except ssl.SSLError:
-                if stream.head[:5] in _PLAIN_HTTP_STARTS:  # as Go's net/http, in plain HTTP
-                    self._linger = True
+                if stream.head[:5] in _PLAIN_HTTP_STARTS:  # as Go's net/http, in plain HTTP, then close
                     await self._send_raw(PLAIN_HTTP_ON_HTTPS)
                 raise
         while True:
@@ -592,12 +603,17 @@ class _Connection:
 
     async def _send(self, data: bytes) -> None:
         self._set_deadline("send", trio.current_time() + self.limits.send_timeout)
-        waiting = self.server._stalled  # closable at the cap while the client does not take it
-        waiting[self] = trio.current_time()
+        server = self.server
+        # closable at the cap while the client does not take it (if still counted, and not
+        # waiting for a head already: a bad head's answer)
+        stalled = self in server._connections and self not in server._waiting
+        if stalled:
+            server._stalled[self] = trio.current_time()
         try:
             await self.stream.send_all(data)
         finally:
-            waiting.pop(self, None)
+            if stalled:
+                server._stalled.pop(self, None)
 
 
 def _refusal(event: h11.Request, max_head_size: int) -> Response | None:

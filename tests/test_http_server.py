@@ -11,9 +11,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import random
 import socket
 import ssl
+import time
 
 import pytest
 import structlog
@@ -798,3 +800,108 @@ async def test_a_stop_answers_the_request_being_handled_and_closes_idle_connecti
     assert await clients["/hang"].closed()
     for client in clients.values():
         await client.aclose()
+
+
+# ----------------------------------------------- closing to make room, and stopping, when a send is stuck
+def _jam(connection) -> None:
+    """Fill the server's side of a connection whose client reads nothing: its next send waits."""
+    sock = connection.raw_stream.socket
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    try:
+        while True:
+            os.write(sock.fileno(), b"x" * 1024)
+    except BlockingIOError:
+        pass
+
+
+def _non_reader(port: int) -> socket.socket:
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    client.connect(("127.0.0.1", port))
+    return client
+
+
+async def _serving(app, limits):
+    listener = await http_server.open_listener("127.0.0.1:0")
+    return http_server.HTTPServer(app, limits), listener, listener.socket.getsockname()[1]
+
+
+async def _ok_or_wait(request: http_server.Request) -> http_server.Response:
+    if request.path == "/wait":
+        with request.waiting_elsewhere():
+            await trio.sleep_forever()
+    return http_server.Response(200, [], b"ok")
+
+
+async def test_a_stop_also_ends_a_connection_closed_to_make_room_that_is_still_sending():
+    """A connection closed at the cap left the counted set but still sent its 503, which a client
+    that does not read held for send_timeout: a stop waited that long for it, not a second."""
+    server, listener, port = await _serving(_ok_or_wait, http_server.Limits(max_connections=1, send_timeout=8))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve, listener)
+        first = _non_reader(port)
+        first.sendall(b"GET /wait HTTP/1.1\r\nHost: x\r\n\r\n")
+        await trio.sleep(0.2)
+        (connection,) = server._connections
+        _jam(connection)
+        await trio.sleep(http_server.BODY_EVICTION_WAIT + 0.2)
+        _jam(connection)  # still full when its 503 is written
+        second = socket.create_connection(("127.0.0.1", port))  # makes room: the first is closed
+        await trio.sleep(0.3)
+        assert connection not in server._connections and connection in server._running
+        stopped_at = trio.current_time()
+        nursery.cancel_scope.cancel()
+    assert trio.current_time() - stopped_at < http_server.STOP_ANSWER_TIME + 0.5
+    first.close()
+    second.close()
+
+
+async def test_a_connection_closed_to_make_room_while_its_408_is_stuck_closes_at_once():
+    """Its scope was over (the head deadline had passed), so closing it to make room did nothing:
+    uncounted, it kept its socket and task until send_timeout, above the cap."""
+    server, listener, port = await _serving(_ok_or_wait, http_server.Limits(
+        max_connections=1, head_timeout=0.5, idle_timeout=0.5, send_timeout=6))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve, listener)
+        first = _non_reader(port)
+        first.sendall(b"GET / HTTP/1.1\r\n")  # a head that never ends: 408 at head_timeout
+        await trio.sleep(0.1)
+        (connection,) = server._connections
+        for _ in range(8):  # keep the send side full while the 408 is due
+            _jam(connection)
+            await trio.sleep(0.1)
+        await trio.sleep(http_server.BODY_EVICTION_WAIT + 0.1)
+        _jam(connection)
+        second = socket.create_connection(("127.0.0.1", port))
+        with trio.fail_after(http_server.LINGER_TIMEOUT + 1):  # not send_timeout
+            while connection.raw_stream.socket.fileno() >= 0:
+                await trio.sleep(0.02)
+        assert len(server._connections) <= 1
+        nursery.cancel_scope.cancel()
+    first.close()
+    second.close()
+
+
+async def test_a_connection_answering_a_bad_head_is_closed_to_make_room_once():
+    """It waits for a head and, its 400 stuck, for the client too: two newcomers in one accept
+    burst closed it twice, and the server went over its cap."""
+    server, listener, port = await _serving(_ok_or_wait, http_server.Limits(max_connections=1, send_timeout=20))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve, listener)
+        first = _non_reader(port)
+        await trio.sleep(0.1)
+        (connection,) = server._connections
+        for _ in range(5):
+            _jam(connection)
+            await trio.sleep(0.05)
+        first.sendall(b"GET /%zz HTTP/1.1\r\nHost: x\r\n\r\n")  # answered 400 while waiting for a head
+        for _ in range(24):
+            _jam(connection)
+            await trio.sleep(0.05)
+        newcomers = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+        time.sleep(0.1)  # both in the backlog before the server looks: one burst
+        await trio.sleep(0.2)
+        assert len(server._connections) <= 1
+        nursery.cancel_scope.cancel()
+    for client in [first, *newcomers]:
+        client.close()
