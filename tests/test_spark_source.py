@@ -160,7 +160,9 @@ def test_sigkill_then_restart_past_the_lease_timeout_loses_nothing(spark, daemon
     options = {"numPartitions": 2, "maxMessagesPerTrigger": 600, "maxInFlight": 200, "msgTimeoutMs": 1000}
     kill_mid_batch(addr, "s4", tmp_path, 2000, options)
     time.sleep(2.5)  # the batch's leases expire: their messages are queued again
-    restart(spark, addr, "s4", tmp_path, 2000, options)
+    # run on with leases the batches cannot outlive: with 1 s ones, a batch that a loaded machine
+    # held past its lease (touches late) left copies queued again behind the query (at least once)
+    restart(spark, addr, "s4", tmp_path, 2000, {**options, "msgTimeoutMs": 60000})
     ids, rows = committed(spark, tmp_path / "out")
     assert set(ids) == {r.id for r in rows} and len(set(ids)) == 2000  # duplicates are allowed, loss is not
     assert max(r.attempts for r in rows) >= 2
