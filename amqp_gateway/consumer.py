@@ -24,6 +24,7 @@ import math
 from typing import TYPE_CHECKING, Callable
 
 from nsqd.client_v2 import STATE_SUBSCRIBED
+from nsqd.message import MSG_ID_LENGTH as ID_SIZE
 
 from .mapping import encode_delivery
 from .performatives import Accepted, Modified, Rejected
@@ -41,6 +42,34 @@ FILL_BATCH = 256
 FILL_BYTES = 1024 * 1024
 #: timed-out deliveries tolerated in the session's unsettled map before it is pruned
 STALE_SLACK = 1024
+
+
+def delivery_tags(ids: list[bytes], failures: list[int]) -> list[bytes]:
+    """The tags of deliveries: the NSQ message id, then ``#`` and its failed deliveries if any.
+
+    Spec 2.6.12 wants a tag unique among a link's unsettled deliveries, and a
+    message that timed out is sent again (to the same link, maybe) while the
+    client may still hold the first copy unsettled; every timeout counts a
+    failed delivery, so the suffix tells the copies apart.
+    """
+    return [msg_id if n == 0 else b"%s#%d" % (msg_id, n) for msg_id, n in zip(ids, failures)]
+
+
+def message_ids(tags: list[bytes]) -> list[bytes]:
+    return [tag[:ID_SIZE] for tag in tags] if any(len(tag) != ID_SIZE for tag in tags) else tags
+
+
+def current_ids(tags: list[bytes], failed: dict[bytes, int]) -> list[bytes]:
+    """The message ids of the deliveries that are the last sent of their message."""
+    if not failed:
+        return message_ids(tags)
+    ids = []
+    for tag in tags:
+        msg_id = tag[:ID_SIZE]
+        sent_after = int(tag[ID_SIZE + 1:]) if len(tag) > ID_SIZE else 0
+        if failed.get(msg_id, 0) == sent_after:
+            ids.append(msg_id)
+    return ids
 
 
 class LinkConsumer:
@@ -130,7 +159,8 @@ class LinkConsumer:
         self.stale += count
         sub = self.sub
         if self.stale > max(len(sub.in_flight), STALE_SLACK):
-            self.link.session.forget_unsettled(self.link, sub.in_flight.__contains__)
+            in_flight = sub.in_flight
+            self.link.session.forget_unsettled(self.link, lambda tag: tag[:ID_SIZE] in in_flight)
             self.stale = 0
 
     # ------------------------------------------------------------- delivery
@@ -175,13 +205,13 @@ class LinkConsumer:
                             zip(frames, failures or [0] * len(frames), released or [False] * len(frames))]
             if presettled:
                 sub.forget_in_flight(ids)
-            link.send_transfers(ids, payloads, presettled)
+            link.send_transfers(ids if failures is None else delivery_tags(ids, failures), payloads, presettled)
             sent += len(ids)
         return sent
 
     # ----------------------------------------------------------- settlement
     def settle(self, tags: list[bytes], state: object, now_ns: int) -> None:
-        """The client's outcome for deliveries (tags are NSQ message ids).
+        """The client's outcome for deliveries (see :func:`delivery_tags`).
 
         accepted (or settled with no outcome) finishes; released, and modified
         without flags, requeue at once counting nothing; modified with
@@ -189,12 +219,21 @@ class LinkConsumer:
         rejected, and modified with undeliverable-here, remove the message
         from the channel (counted). An outcome we do not know releases a
         settled delivery and leaves an unsettled one in flight.
+
+        A delivery that timed out and was sent again counts only if accepted
+        (the message was processed, so it is finished): giving back a copy
+        that is no longer the one in flight would requeue the message under
+        the consumer that still holds it.
         """
         kind = type(state)
         sub = self.sub
         if kind is Accepted or state is None:
-            sub.finish(tags)
-        elif kind is Rejected or (kind is Modified and state.undeliverable_here):
+            sub.finish(message_ids(tags))
+            return
+        tags = current_ids(tags, sub.channel.failed)
+        if not tags:
+            return
+        if kind is Rejected or (kind is Modified and state.undeliverable_here):
             sub.reject(tags)
         elif kind is Modified and state.delivery_failed:
             sub.requeue_many(tags, now_ns, count_attempt=True)

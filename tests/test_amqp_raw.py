@@ -521,6 +521,32 @@ async def test_a_client_that_never_settles_does_not_grow_our_unsettled_map(tmp_p
         assert len(consumer.link.session.unsettled) <= 1100   # the timed-out first deliveries went
 
 
+async def test_a_timed_out_delivery_sent_again_gets_its_own_tag_and_its_late_outcome_is_stale(tmp_path):
+    async with gateway(tmp_path, msg_timeout=1.0) as nsqd:
+        put(nsqd, "t", "c", [b"x"])
+        client = await Client.connect(nsqd.amqp_port)
+        link = await client.attach(p.RECEIVER, "/topics/t/channels/c")
+        link.flow(10)
+        got = []
+        with trio.fail_after(5):
+            while len(got) < 2:   # the first copy, then the same message again after its timeout
+                await client.flush()
+                await client.read()
+                got += client.deliveries(link)
+        (first_id, first_tag, _, _), (second_id, second_tag, _, _) = got
+        assert first_tag != second_tag   # unique among the link's unsettled deliveries (spec 2.6.12)
+        assert second_tag == first_tag + b"#1" and len(first_tag) == 16
+        channel = nsqd.topics["t"].channels["c"]
+        link.settle([first_id], p.Released())   # a late outcome for the copy that timed out
+        await client.for_a_while(0.1)
+        assert channel.in_flight_count == 1 and not client.deliveries(link)   # the live copy stays put
+        link.settle([second_id], p.Accepted())
+        await client.flush()
+        await eventually(lambda: channel.in_flight_count == 0)
+        (consumer,) = consumers(channel)
+        assert consumer.finish_count == 1 and channel.depth == 0
+
+
 # ------------------------------------------------------------ lifecycle
 async def test_connection_loss_requeues_in_order(tmp_path):
     async with gateway(tmp_path) as nsqd:
@@ -538,7 +564,7 @@ async def test_connection_loss_requeues_in_order(tmp_path):
         link.flow(5)
         await second.until(lambda: sum(len(e.deliveries) for e in second.events if isinstance(e, ev.Transfers)) == 5)
         again = second.deliveries(link)
-        assert [d[1] for d in again] == before
+        assert [d[1] for d in again] == [tag + b"#1" for tag in before]   # the same messages, in order
         # a consumer that went away holding them may have processed them: each comes back as a
         # failed delivery (spec 3.2.1; RabbitMQ's quorum queues count returned messages too)
         headers = [decode_message(d[3]).header for d in again]
