@@ -781,9 +781,10 @@ class Broker:
         A topic or channel is saved in ``nsqd.dat`` a moment after it is
         created (the metadata writer), but its first publish is confirmed as
         soon as its disk queue has the messages: a crash in between leaves
-        confirmed messages in a queue that nothing names. Such a queue (its
-        metadata file and a segment present: a deleted queue loses its
-        segments first) comes back at start, with default policies, unpaused.
+        confirmed messages in a queue that nothing names. Such a queue (a
+        segment present: a new queue writes no metadata file before its first
+        checkpoint, and a deleted queue loses its segments first) comes back at
+        start, with default policies, unpaused.
         """
         listing = self._listing
         if listing is None:
@@ -793,8 +794,7 @@ class Broker:
         try:
             for stem in listing.stems(naming.QUEUE_MARKER):
                 names = listing.names(stem)
-                if stem + "meta.json" not in names or not any(
-                        n.endswith(".dat") and n[len(stem):-4].isdigit() for n in names):
+                if not any(n.endswith(".dat") and n[len(stem):-4].isdigit() for n in names):
                     continue
                 try:
                     queue_name = naming.unescape_name(stem[:-len(naming.QUEUE_MARKER)])

@@ -49,6 +49,19 @@ async def fill_up(conn: NSQConnection, topic: str, confirmed: list[bytes]) -> by
     raise AssertionError("the disk never filled up")
 
 
+async def fill_last_page(conn: NSQConnection, topic: str, confirmed: list[bytes]) -> None:
+    """Single small PUBs until refused: an MPUB refused may leave part of a page free."""
+    for n in range(10_000):
+        body = b"small-%05d" % n
+        await conn.command(f"PUB {topic}", body)
+        kind, data = await conn.read_non_heartbeat()
+        if kind == 1:
+            assert data.startswith(b"E_PUB_FAILED PUB failed"), data
+            return
+        confirmed.append(body)
+    raise AssertionError("the last page never filled up")
+
+
 def _mpub(bodies):
     from .support import mpub_body
 
@@ -72,7 +85,9 @@ async def test_full_disk_refuses_publishes_keeps_serving_and_recovers(small_fs):
         ping = await http.get("/ping")
         assert ping.status == 500 and ping.body.startswith(b"NOK - ") and b"No space left" in ping.body
 
-        # a new topic and a new channel while full: refused, and the daemon lives on
+        # the last free page taken by small messages, a new topic and a new channel while full:
+        # refused, and the daemon lives on
+        await fill_last_page(conn, "t", confirmed)
         other = await NSQConnection.open(daemon.port)
         await other.command("PUB brand-new", b"x")
         await other.expect_error("E_PUB_FAILED PUB failed")
@@ -321,7 +336,7 @@ async def test_shutdown_on_a_full_disk_exits_0_and_keeps_what_it_confirmed(small
     for start in range(0, len(confirmed), 200):
         await conn.mpub("t", confirmed[start:start + 200])  # all in memory: the disk is still empty
     ballast = small_fs / "ballast"
-    with open(ballast, "wb") as f:  # now fill the disk so the shutdown cannot write everything
+    with open(ballast, "wb", buffering=0) as f:  # now fill the disk so the shutdown cannot write everything
         try:
             while True:
                 f.write(b"\0" * 65536)
@@ -366,7 +381,7 @@ async def test_shutdown_on_a_full_disk_with_a_lease_writes_what_fits_and_counts_
         await reader.read_message()
     await reader.command("RDY 0")
     ballast = small_fs / "ballast"
-    with open(ballast, "wb") as f:
+    with open(ballast, "wb", buffering=0) as f:  # (unbuffered: nothing left to fail again at close)
         try:
             while True:
                 f.write(b"\0" * 65536)

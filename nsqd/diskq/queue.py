@@ -238,7 +238,10 @@ class DiskQueue:
         #: run() was started with start_soon and will be running soon (see :meth:`run_scheduled`)
         self._run_scheduled = False
         self._closed = False
-        self._save_metadata_now(state.on_disk)
+        if state.fresh:  # no file says what an empty metadata file would: nothing to write (two
+            self._on_disk = self._snapshot()  # fsyncs on the event loop per new topic or channel)
+        else:
+            self._save_metadata_now(state.on_disk)
         self._log.info(
             "diskq_opened",
             depth=self._depth,

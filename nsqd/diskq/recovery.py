@@ -54,6 +54,9 @@ class RecoveredState:
     on_disk: Metadata | None = None
     """The metadata file's document, when no checkpoint file is left beside it (after an orderly
     stop): opening need not save the metadata again if it already says what the files say."""
+    fresh: bool = False
+    """The queue has no file at all (a new topic or channel): no metadata file says the same as
+    an empty one, so opening writes nothing."""
 
 
 class _Recovery:
@@ -67,14 +70,15 @@ class _Recovery:
         self.damaged_bytes = 0
 
     def run(self) -> RecoveredState:
-        meta = self._load_metadata()
+        meta, unusable = self._load_metadata()
         segments = self._check_headers(self.files.list_segments())
         if meta is not None:
             segments = self._remove_consumed(segments, meta.release[0])
         if not segments:
             start = meta.write_segment if meta is not None else 0
             return RecoveredState(start, 0, start, 0, start, 0, 0, (), 0, self.damaged_records, self.damaged_bytes,
-                                  meta.sequence if meta is not None else 0, self._alone(meta))
+                                  meta.sequence if meta is not None else 0, self._alone(meta),
+                                  fresh=meta is None and not unusable and not self.sizes)
 
         read_segment, read_position = self._read_start(meta, segments)
         release_segment, release_position = read_segment, read_position
@@ -139,11 +143,11 @@ class _Recovery:
         """The metadata file's document if no checkpoint file is beside it (see RecoveredState.on_disk)."""
         return meta if meta is not None and not self.files.checkpoint_path.exists() else None
 
-    def _load_metadata(self) -> Metadata | None:
+    def _load_metadata(self) -> tuple[Metadata | None, list]:
         meta, unusable = load_newest([self.files.metadata_path, self.files.checkpoint_path])
         for path, reason in unusable:
             self.log.warning("diskq_metadata_unusable", path=str(path), reason=reason)
-        return meta
+        return meta, unusable
 
     def _check_headers(self, segments: list[int]) -> list[int]:
         """Drop files too short to hold a record; restore damaged magic or version bytes; refuse
