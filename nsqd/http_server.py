@@ -169,6 +169,10 @@ App = Callable[[Request], Awaitable[Response]]
 
 #: a ``%`` not followed by two hex digits
 BAD_ESCAPE = re.compile(rb"%(?![0-9A-Fa-f]{2})")
+#: a URI scheme and its colon, which makes a target not starting with ``/`` an absolute URI
+URI_SCHEME = re.compile(rb"[A-Za-z][A-Za-z0-9+.-]*:")
+#: the bytes Go's net/http takes in a Host header (httpguts.ValidHostHeader); it may be empty
+HOST = re.compile(rb"[A-Za-z0-9!$%&'()*+,\-.:;=\[\]_~]*")
 #: a line feed with no carriage return before it
 _BARE_LF = re.compile(rb"(?<!\r)\n")
 _ORDINARY_FAULTS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
@@ -300,8 +304,9 @@ class HTTPServer:
             headers.append((b"Connection", b"close"))
         data = conn.send(h11.Response(status_code=response.status, headers=headers,
                                       reason=_REASONS.get(response.status, b"")))
-        if conn.their_http_version == b"1.0":  # Go's net/http answers in the request's version
-            data = b"HTTP/1.0" + data[8:]
+        if conn.their_http_version == b"1.0":  # Go's net/http answers in the request's version, and
+            data = b"HTTP/1.0" + data[8:].replace(b"\r\nConnection: close\r\n", b"\r\n", 1)  # a 1.0 peer
+            # closes anyway: Go writes Connection only to HTTP/1.1 peers
         if response.body and not head_only:
             data += conn.send(h11.Data(data=response.body))
         return data + conn.send(h11.EndOfMessage())
@@ -617,16 +622,25 @@ class _Connection:
 
 
 def _refusal(event: h11.Request, max_head_size: int) -> Response | None:
-    """What h11 lets through but we refuse: a complete head over the limit, HTTP other than 1.x,
-    a path with a malformed ``%`` escape."""
-    if len(event.target) + sum(len(name) + len(value) for name, value in event.headers) > max_head_size:
+    """What h11 lets through but Go's net/http refuses: a complete head over the limit, HTTP other
+    than 1.x, a target that is neither a path, ``*`` nor an absolute URI (``GET ping``), a path
+    with a malformed ``%`` escape, a malformed or repeated Host header."""
+    target = event.target
+    if len(target) + sum(len(name) + len(value) for name, value in event.headers) > max_head_size:
         return error_response(431, "HEADER_TOO_BIG")  # h11 only limits heads still incomplete
     if not event.http_version.startswith(b"1."):  # h11 takes any digit.digit
         return error_response(505, "HTTP_VERSION_NOT_SUPPORTED")
-    if BAD_ESCAPE.search(event.target.partition(b"?")[0]):  # Go's ParseRequestURI refuses it
+    if target[:1] != b"/" and target != b"*" and not URI_SCHEME.match(target):
         return error_response(400, "BAD_REQUEST")
+    if BAD_ESCAPE.search(target.partition(b"?")[0]):  # Go's ParseRequestURI refuses it
+        return error_response(400, "BAD_REQUEST")
+    hosts = 0
     for name, value in event.headers:  # Go's server refuses what it cannot meet, as RFC 9110 allows
-        if name == b"expect" and value.strip().lower() != b"100-continue":
+        if name == b"host":
+            hosts += 1
+            if hosts > 1 or not HOST.fullmatch(value):
+                return error_response(400, "BAD_REQUEST")
+        elif name == b"expect" and value.strip().lower() != b"100-continue":
             return Response(417, [], b"")
     return None
 

@@ -572,9 +572,35 @@ async def test_targets_are_routed_on_their_decoded_path(daemon):
 async def test_http_1_0_is_answered_and_closed(daemon):
     client = await Raw.open(http_port(daemon))
     await client.send(b"POST /pub?topic=t HTTP/1.0\r\nContent-Length: 3\r\n\r\nold")
-    assert (await client.response()).body == b"OK"
+    response = await client.response()
+    assert response.body == b"OK"
+    assert "connection" not in response.headers   # Go writes it to HTTP/1.1 peers only
     assert await client.closed()
     assert topic_depth(daemon, "t") == 1
+
+
+@pytest.mark.parametrize("head", [
+    b"GET ping HTTP/1.1\r\nHost: x\r\n\r\n",            # neither a path, * nor an absolute URI
+    b"GET 1http://x/ping HTTP/1.1\r\nHost: x\r\n\r\n",   # a scheme starts with a letter
+    b"GET /ping HTTP/1.1\r\nHost: a b\r\n\r\n",          # Go's httpguts.ValidHostHeader
+    b"GET /ping HTTP/1.1\r\nHost: a/b\r\n\r\n",
+    b"GET /ping HTTP/1.1\r\nHost: x\r\nHost: y\r\n\r\n",  # too many Host headers
+])
+async def test_what_gos_server_refuses_before_routing_is_a_bad_request(daemon, head):
+    client = await Raw.open(http_port(daemon))
+    await client.send(head)
+    json_error(await client.response(), 400, "BAD_REQUEST")
+    assert await client.closed()
+
+
+async def test_hosts_and_targets_gos_server_takes(daemon):
+    client = await Raw.open(http_port(daemon))
+    await client.send(b"GET /ping HTTP/1.1\r\nHost: \r\n\r\n"
+                      b"GET /ping HTTP/1.1\r\nHost: [::1]:4151\r\n\r\n"
+                      b"GET ping:x HTTP/1.1\r\nHost: x\r\n\r\n")   # an opaque URI: no path to route
+    assert (await client.response()).body == b"OK"
+    assert (await client.response()).body == b"OK"
+    json_error(await client.response(), 404, "NOT_FOUND")
 
 
 async def test_head_gets_the_headers_without_a_body(daemon):
