@@ -491,7 +491,10 @@ class Connection:
         if open_.idle_time_out is not None and 0 < open_.idle_time_out < MIN_PEER_IDLE_TIMEOUT_MS:
             raise ConnectionFault(RESOURCE_LIMIT_EXCEEDED, f"idle-time-out {open_.idle_time_out} ms is below "
                                                            f"the {MIN_PEER_IDLE_TIMEOUT_MS} ms we support")
-        self.peer_max_frame_size = max(open_.max_frame_size, MIN_MAX_FRAME_SIZE)
+        if open_.max_frame_size < MIN_MAX_FRAME_SIZE:  # as Qpid Proton and RabbitMQ answer it
+            raise ConnectionFault(FRAMING_ERROR, f"max-frame-size {open_.max_frame_size} is below the "
+                                                 f"{MIN_MAX_FRAME_SIZE} every peer must take (spec 2.7.1)")
+        self.peer_max_frame_size = open_.max_frame_size
         self.peer_channel_max = open_.channel_max
         self.peer_idle_timeout = open_.idle_time_out / 1000 if open_.idle_time_out else None
         if not self.open_sent:

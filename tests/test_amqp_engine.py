@@ -89,6 +89,17 @@ def test_open_negotiates_frame_size_channels_and_idle_timeout():
     assert pair.take("server", ev.ConnectionOpened)
 
 
+def test_an_open_with_a_max_frame_size_below_512_is_a_framing_error():
+    pair = Pair()
+    pair.client.max_frame_size = 511   # spec 2.7.1: MIN-MAX-FRAME-SIZE is 512
+    pair.client.open()
+    pair.exchange()
+    (closed,) = pair.take("server", ev.ConnectionClosed)
+    assert closed.error.condition == errors.FRAMING_ERROR and "511" in closed.error.description
+    assert pair.take("client", ev.ConnectionOpened)   # our open comes first, then the close
+    assert pair.take("client", ev.ConnectionClosed)[0].error.condition == errors.FRAMING_ERROR
+
+
 def test_sasl_anonymous_and_plain():
     anonymous = Pair(client_sasl=SaslClient(), server_sasl=SaslServer(lambda u, pw: False))
     anonymous.client.open()
