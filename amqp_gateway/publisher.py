@@ -1,10 +1,12 @@
 """A link on which the client publishes to a topic, with back-pressure per link.
 
 Credit is granted in batches of ``PUBLISH_CREDIT`` (RabbitMQ's 170), topped
-up once less than half is left, and only while the topic takes messages;
-under a limit a grant never exceeds the room left, so a publisher that keeps
-to its credit is not refused for a full topic (several links racing for the
-last room can be).
+up once less than half is left, and only while the topic takes messages.
+Under a limit a grant never exceeds the room left less the credit the
+topic's other publishing links hold (all connections: :class:`TopicLinks`),
+nor an equal share of the room among them, so publishers that keep to their
+credit are not refused for a full topic, and a link that holds credit it
+does not use keeps no more than its share from the others.
 
 When the topic is full the link simply runs out of credit: the other links
 of the connection and session keep their own credit, so one full topic never
@@ -23,6 +25,7 @@ reason. Pre-settled deliveries are at-most-once: a failure is only logged.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Callable
 
 import structlog
@@ -71,6 +74,40 @@ class Pending:
         self.publisher.confirmed(self, error)
 
 
+class TopicLinks:
+    """The publishing links of each topic, over every connection of one daemon: the credit they
+    hold is room the topic promised already."""
+
+    _of: weakref.WeakKeyDictionary[Broker, TopicLinks] = weakref.WeakKeyDictionary()
+
+    def __init__(self) -> None:
+        self.links: dict[str, set[LinkPublisher]] = {}
+
+    @classmethod
+    def of(cls, nsqd: Broker) -> TopicLinks:
+        found = cls._of.get(nsqd)
+        if found is None:
+            found = cls._of[nsqd] = cls()
+        return found
+
+    def add(self, publisher: LinkPublisher) -> None:
+        self.links.setdefault(publisher.topic_name, set()).add(publisher)
+
+    def discard(self, publisher: LinkPublisher) -> None:
+        links = self.links.get(publisher.topic_name)
+        if links is not None:
+            links.discard(publisher)
+            if not links:
+                del self.links[publisher.topic_name]
+
+    def share(self, publisher: LinkPublisher, room: int) -> int:
+        """What ``publisher`` may hold of ``room``: the room the others' credit leaves, at most an
+        equal share of it among the topic's links."""
+        links = self.links.get(publisher.topic_name, ())
+        held = sum(max(other.link.credit, 0) for other in links if other is not publisher)
+        return min(room - held, -(-room // max(len(links), 1)))
+
+
 class LinkPublisher:
     def __init__(self, link: Link, topic_name: str, nsqd: Broker, pub_counts: PubCounts,
                  wake: Callable[[], None]) -> None:
@@ -82,10 +119,13 @@ class LinkPublisher:
         #: out of credit because the topic is full; the connection looks at it again later
         self.starved = False
         link.max_message_size = nsqd.options.max_msg_size + SECTIONS_ALLOWANCE
+        self._topic_links = TopicLinks.of(nsqd)
+        self._topic_links.add(self)
 
     def grant(self) -> None:
-        """Top the credit up once below half: to ``PUBLISH_CREDIT``, or to the room the
-        topic's limit leaves if that is less; none while the topic takes nothing."""
+        """Top the credit up once below half: to ``PUBLISH_CREDIT``, or to what the topic's limit
+        leaves this link if that is less (see :meth:`TopicLinks.share`); none while the topic takes
+        nothing."""
         link = self.link
         if link.credit >= PUBLISH_CREDIT // 2 or not link.attached:
             self.starved = False
@@ -93,8 +133,10 @@ class LinkPublisher:
         accepting, room = self.nsqd.publish_room(self.topic_name)
         if not accepting:
             credit = 0
+        elif room is None:
+            credit = PUBLISH_CREDIT
         else:
-            credit = PUBLISH_CREDIT if room is None or room <= 0 else min(PUBLISH_CREDIT, room)
+            credit = min(PUBLISH_CREDIT, self._topic_links.share(self, room))
         self.starved = credit <= link.credit
         if self.starved:
             self.nsqd.when_room(self.topic_name, self.room_made)
@@ -106,8 +148,10 @@ class LinkPublisher:
         self._wake()
 
     def close(self) -> None:
-        """The link went: the topic forgets it, which would else keep the connection until room is made."""
+        """The link went: the topic forgets it, which would else keep the connection until room is
+        made, and its credit is no longer room promised."""
         self.nsqd.forget_room_waiter(self.topic_name, self.room_made)
+        self._topic_links.discard(self)
 
     def publish(self, deliveries: list[IncomingDelivery]) -> Pending | None:
         """Publish a run of deliveries as one batch; answer each unsettled one.

@@ -294,17 +294,42 @@ async def test_one_full_topic_starves_only_its_own_link(tmp_path):
         await client.until(lambda: blocked.credit == 100, timeout=1)
 
 
-async def test_links_racing_for_the_last_room_are_refused_not_dropped(tmp_path):
+async def test_links_to_a_bounded_topic_share_its_room_so_none_is_refused(tmp_path):
+    """Credit granted to one link is room promised: a second link is not granted it again (each
+    got the whole room, and half of what publishers sent within their credit was refused)."""
+    async with gateway(tmp_path, channel_max_messages=10) as nsqd:
+        channel = nsqd.get_topic("t").get_channel("c")
+        first_client = await Client.connect(nsqd.amqp_port)
+        second_client = await Client.connect(nsqd.amqp_port)   # other connections count too
+        first = await first_client.attach(p.SENDER, "/topics/t", name="first")
+        await first_client.until(lambda: first.credit == 10)
+        second = await second_client.attach(p.SENDER, "/topics/t", name="second")
+        await second_client.for_a_while(0.1)
+        assert second.credit == 0   # the room is the first link's already
+        states = await first_client.publish(first, [b"a"] * 10)
+        assert [type(s).__name__ for s in states] == ["Accepted"] * 10 and channel.depth == 10
+        channel.empty()   # room again: shared out, within a poll or two
+        await first_client.until(lambda: first.credit > 0, timeout=3)
+        await second_client.until(lambda: second.credit > 0, timeout=3)
+        assert first.credit + second.credit <= 10 and max(first.credit, second.credit) <= 5
+        states = (await first_client.publish(first, [b"a"] * first.credit)
+                  + await second_client.publish(second, [b"b"] * second.credit))
+        assert {type(s).__name__ for s in states} == {"Accepted"}
+        assert channel.depth == len(states)
+
+
+async def test_a_link_gone_gives_back_the_room_its_credit_held(tmp_path):
     async with gateway(tmp_path, channel_max_messages=10) as nsqd:
         nsqd.get_topic("t").get_channel("c")
-        client = await Client.connect(nsqd.amqp_port)
-        first = await client.attach(p.SENDER, "/topics/t", name="first")
-        second = await client.attach(p.SENDER, "/topics/t", name="second")
-        await client.until(lambda: first.credit == 10 and second.credit == 10)
-        states = await client.publish(first, [b"a"] * 10) + await client.publish(second, [b"b"] * 10)
-        assert [type(s).__name__ for s in states] == ["Accepted"] * 10 + ["Rejected"] * 10
-        assert {s.error.condition for s in states[10:]} == {"amqp:resource-limit-exceeded"}
-        assert nsqd.topics["t"].channels["c"].depth == 10
+        holder = await Client.connect(nsqd.amqp_port)
+        held = await holder.attach(p.SENDER, "/topics/t")
+        await holder.until(lambda: held.credit == 10)
+        other = await Client.connect(nsqd.amqp_port)
+        waiting = await other.attach(p.SENDER, "/topics/t")
+        await other.for_a_while(0.1)
+        assert waiting.credit == 0
+        await holder.aclose()   # its 10 credits were never used
+        await other.until(lambda: waiting.credit == 10, timeout=3)
 
 
 async def test_publish_refusals_keep_the_link(tmp_path):
