@@ -64,6 +64,12 @@ PROBE_FILE = ".nsqd-storage-probe"
 SHUTDOWN_RETRIES = 3
 #: how long a stop waits for the commit rounds durable publishes wait on, so their answers go out
 CONFIRM_AT_STOP = 1.0
+#: the drain at a stop ends early once no consumer settled a message for this long (a client that
+#: ignores CLOSE_WAIT and holds its messages would otherwise keep the stop for all of --shutdown-grace)
+DRAIN_IDLE = 1.0
+#: how long the disk queues' run() tasks get to end at shutdown before the queues are closed (those
+#: still running are closed one by one in the Trio thread, as close() allows, the rest together)
+RUN_END_WAIT = 5.0
 #: fewest messages a step of a big batch holds, however many channels share them
 MIN_STEP_MESSAGES = 1024
 #: most channels a new topic takes from nsqlookupd: 110,000 names (900 KB) made as many disk
@@ -268,6 +274,9 @@ class Broker:
         #: segments of emptied and deleted queues, unlinked in a worker thread (see diskq/trash.py)
         self._trash = TrashBin()
         self._backend_scopes: dict[int, trio.CancelScope] = {}
+        #: the queues whose run() task has not ended (cancelled ones included)
+        self._backends_running: set[int] = set()
+        self._backend_ended = trio.lowlevel.ParkingLot()
         self._backlog: deque[Topic] = deque()
         self._backlog_lot = trio.lowlevel.ParkingLot()
         self._metadata_dirty = trio.Event()
@@ -634,10 +643,13 @@ class Broker:
             return
         with trio.CancelScope() as scope:
             self._backend_scopes[id(backend)] = scope
+            self._backends_running.add(id(backend))
             try:
                 await backend.run()
             finally:
                 self._backend_scopes.pop(id(backend), None)
+                self._backends_running.discard(id(backend))
+                self._backend_ended.unpark_all()
 
     def close_backend(self, backend: diskq.DiskQueue, delete: bool = False) -> None:
         self._stop_backend(backend)
@@ -912,7 +924,8 @@ class Broker:
 
     async def drain(self) -> None:
         """Graceful drain: no new publishes, subscriptions or deliveries; consumers get
-        ``--shutdown-grace`` to finish what they hold (everything else is persisted)."""
+        ``--shutdown-grace`` to finish what they hold, or until none has settled anything for
+        :data:`DRAIN_IDLE` (everything else is persisted)."""
         self.draining = True
         settled = trio.lowlevel.ParkingLot()
         for channel in self.channels():
@@ -925,7 +938,10 @@ class Broker:
         log.info("draining", in_flight=in_flight, grace=self.options.shutdown_grace)
         with trio.move_on_after(self.options.shutdown_grace):
             while sum(c.in_flight_count for c in self.channels()):
-                await settled.park()  # woken whenever a channel's in-flight messages are settled
+                with trio.move_on_after(DRAIN_IDLE) as idle:
+                    await settled.park()  # woken whenever a channel's in-flight messages are settled
+                if idle.cancelled_caught:  # nobody is finishing what they hold: stop as Go does
+                    break
         left = sum(c.in_flight_count for c in self.channels())
         log.info("drained", finished=in_flight - left, still_in_flight=left)
 
@@ -947,6 +963,7 @@ class Broker:
         (``SHUTDOWN_RETRIES``, ``STORAGE_RETRY`` apart), then logged with how
         many messages it loses; the rest is saved and the daemon exits 0.
         """
+        await self._stop_backends()  # first: the writes below would each start a commit round
         pending: list[tuple[diskq.DiskQueue, list[bytes]]] = []
         saved = failures = 0
         for topic in list(self.topics.values()):
@@ -973,14 +990,7 @@ class Broker:
                 failures += 1
                 log.error("messages held in memory could not be written at shutdown and are lost",
                           queue=backend.name, lost=len(records), error=backend.failing)
-        for backend in self.backends():
-            if backend.closed:
-                continue
-            try:
-                self.close_backend(backend)
-            except diskq.DiskQueueError as exc:
-                failures += 1
-                log.error("queue could not be closed cleanly", queue=backend.name, error=str(exc))
+        failures += await self._close_backends()
         try:
             self.save_metadata()
         except OSError as exc:
@@ -990,6 +1000,39 @@ class Broker:
             log.error("state persisted with failures", messages=saved, failures=failures)
         else:
             log.info("state persisted", messages=saved)
+
+    async def _stop_backends(self) -> None:
+        """Cancel every queue's run() task and wait (at most :data:`RUN_END_WAIT`) for them to end:
+        a commit under way is finished, none is started, and close() does the last fsyncs."""
+        for backend in self.backends():
+            self._stop_backend(backend)
+        with trio.move_on_after(RUN_END_WAIT):
+            while self._backends_running:
+                await self._backend_ended.park()
+
+    async def _close_backends(self) -> int:
+        """Close every queue; returns how many failed (each logged).
+
+        Those whose run() task ended (see :meth:`_stop_backends`) are closed
+        together in a worker thread (``diskq.close_many``: two syncs of the
+        file system for all of them, where 5,000 topics closed one by one took
+        16.7 s); the others here, one by one.
+        """
+        backends = [backend for backend in self.backends() if not backend.closed]
+        alone = [backend for backend in backends if id(backend) in self._backends_running]
+        together = [backend for backend in backends if id(backend) not in self._backends_running]
+        errors = await trio.to_thread.run_sync(diskq.close_many, together) if together else []
+        failures = 0
+        for backend, error in [*zip(together, errors), *((backend, None) for backend in alone)]:
+            try:
+                if backend in alone:
+                    backend.close()
+                else:
+                    backend.closed_files(error)
+            except diskq.DiskQueueError as exc:
+                failures += 1
+                log.error("queue could not be closed cleanly", queue=backend.name, error=str(exc))
+        return failures
 
     # ------------------------------------------------------------ options
     def set_option(self, name: str, value) -> None:

@@ -1,5 +1,6 @@
 """Group commit, checkpoints and the run() task."""
 
+import contextlib
 import errno
 import json
 import os
@@ -288,6 +289,70 @@ def test_a_new_queue_writes_nothing_until_it_holds_something(tmp_path, monkeypat
     reopened.close()
     assert metadata(tmp_path)["depth"] == 0
     del crashed
+
+
+def test_queues_closed_together_share_two_syncs_and_lose_nothing(tmp_path, monkeypatch):
+    """Shutdown closes thousands of queues: one syncfs and one directory fsync for all of them,
+    not three fsyncs each, and each reopens with its records and released segments gone."""
+    from nsqd.diskq import close_many, sync
+
+    queues = [DiskQueue(f"q{n}", tmp_path, lock_file=False, max_bytes_per_file=16 + 2 * 9) for n in range(20)]
+    for queue in queues:
+        queue.put_many([b"%d" % (n % 10) for n in range(6)])   # three segments
+        assert len(queue.read_many(3)) == 3                      # the first one released
+    calls = []
+    monkeypatch.setattr(os, "fsync", lambda fd: calls.append("fsync"))
+    monkeypatch.setattr(os, "fdatasync", lambda fd: calls.append("fdatasync"))
+    real_sync_filesystem = sync.sync_filesystem
+    monkeypatch.setattr(sync, "sync_filesystem", lambda d: calls.append("syncfs") or real_sync_filesystem(d))
+    assert close_many(queues) == [None] * 20
+    assert calls == ["syncfs", "fsync"]
+    monkeypatch.undo()
+    for queue in queues:
+        queue.closed_files(None)
+        assert queue.closed
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob("*checkpoint*"))
+    for n in range(20):
+        assert not (tmp_path / f"q{n}.diskq.000000.dat").exists()
+        reopened = DiskQueue(f"q{n}", tmp_path, lock_file=False, max_bytes_per_file=16 + 2 * 9)
+        assert reopened.read_many(10) == [b"3", b"4", b"5"]
+        reopened.close()
+
+
+def test_a_queue_that_cannot_be_staged_is_closed_on_its_own_and_a_failed_sync_closes_each_alone(
+        tmp_path, monkeypatch):
+    from nsqd.diskq import close_many, sync
+
+    queues = [DiskQueue(f"q{n}", tmp_path, lock_file=False) for n in range(3)]
+    for queue in queues:
+        queue.put_many([b"x", b"y"])
+    (tmp_path / "q1.diskq.meta.json.tmp").mkdir()   # its staging fails; so will its own save
+    errors = close_many(queues)
+    assert errors[0] is None and errors[2] is None
+    assert isinstance(errors[1], DiskQueueWriteError)
+    for queue, error in zip(queues, errors):
+        with pytest.raises(DiskQueueWriteError) if error else contextlib.nullcontext():
+            queue.closed_files(error)
+    (tmp_path / "q1.diskq.meta.json.tmp").rmdir()
+    for n in (0, 2):
+        reopened = DiskQueue(f"q{n}", tmp_path, lock_file=False)
+        assert reopened.read_many(5) == [b"x", b"y"]
+        reopened.put(b"z")
+        queues[n] = reopened
+    queues = [queues[0], queues[2]]
+
+    def failing(directory):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(sync, "sync_filesystem", failing)
+    assert close_many(queues) == [None, None]   # each closed alone, with its own fsyncs, instead
+    for queue in queues:
+        queue.closed_files(None)
+    monkeypatch.undo()
+    for n in (0, 2):
+        reopened = DiskQueue(f"q{n}", tmp_path, lock_file=False)
+        assert reopened.read_many(5) == [b"z"]
+        reopened.close()
 
 
 async def test_sync_every_triggers_a_checkpoint(tmp_path):

@@ -161,15 +161,22 @@ async def test_sigkill_keeps_what_reached_the_disk_queue(tmp_path):
     assert await daemon.stop() == 0
 
 
-async def test_sigterm_drains_in_flight_within_the_grace_period(tmp_path):
-    daemon = Daemon(tmp_path, "--shutdown-grace=3s")
+async def holding_at_sigterm(tmp_path, grace: str, holding: int):
+    """A daemon with ``--shutdown-grace=grace``, 10 messages published, a consumer holding
+    ``holding`` of them when SIGTERM comes; the daemon, the connection and the held messages."""
+    daemon = Daemon(tmp_path, f"--shutdown-grace={grace}")
     await daemon.wait_ready()
     conn = await NSQConnection.open(daemon.port)
     await conn.sub("t", "c")
     await conn.mpub("t", [b"%d" % i for i in range(10)])
-    await conn.command("RDY 4")
-    held = [await conn.read_message() for _ in range(4)]
+    await conn.command(f"RDY {holding}")
+    held = [await conn.read_message() for _ in range(holding)]
     daemon.proc.send_signal(signal.SIGTERM)
+    return daemon, conn, held
+
+
+async def test_sigterm_drains_in_flight_within_the_grace_period(tmp_path):
+    daemon, conn, held = await holding_at_sigterm(tmp_path, "3s", 4)
     await conn.expect_response(b"CLOSE_WAIT")
     await conn.command("PUB t", b"late")
     await conn.expect_error("E_PUB_FAILED PUB failed exiting")
@@ -187,6 +194,22 @@ async def test_sigterm_drains_in_flight_within_the_grace_period(tmp_path):
     with trio.move_on_after(0.3):
         await conn.read_message()
         raise AssertionError("a finished message came back")
+    assert await daemon.stop() == 0
+
+
+async def test_a_drain_ends_once_nobody_finishes_what_they_hold(tmp_path):
+    """A client that ignores CLOSE_WAIT and holds its messages (gnsq's test suite does) must not
+    keep the stop for all of --shutdown-grace: Go stops at once, we give up after a second idle."""
+    started = time.monotonic()
+    daemon, conn, held = await holding_at_sigterm(tmp_path, "30s", 10)
+    await conn.expect_response(b"CLOSE_WAIT")
+    await conn.command(b"FIN " + held[0].id)   # one finished: the drain waits on while they come
+    assert await trio.to_thread.run_sync(daemon.proc.wait, 30) == 0
+    assert time.monotonic() - started < 10
+    daemon = Daemon(tmp_path)
+    await daemon.wait_ready()
+    got = await consume_until_quiet(daemon.port, "t", "c")
+    assert sorted(got) == sorted(m.body for m in held[1:])   # the unfinished ones come back
     assert await daemon.stop() == 0
 
 

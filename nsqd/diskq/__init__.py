@@ -4,7 +4,7 @@ See docs/diskq-format.md for the on-disk format and the recovery rules.
 """
 
 from .errors import DiskQueueError, DiskQueueReadError, DiskQueueWriteError, MessageSizeError
-from .queue import DiskQueue
+from .queue import DiskQueue, close_many
 from .stats import DiskQueueStatistics
 
 __all__ = [
@@ -14,4 +14,5 @@ __all__ = [
     "DiskQueueStatistics",
     "DiskQueueWriteError",
     "MessageSizeError",
+    "close_many",
 ]

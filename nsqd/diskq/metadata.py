@@ -135,13 +135,21 @@ def load_newest(paths: Sequence[Path]) -> tuple[Metadata | None, list[tuple[Path
 
 def save_metadata(path: Path, meta: Metadata) -> None:
     """Replace the metadata file atomically and durably (fsync of the file and the directory)."""
+    temporary = stage_metadata(path, meta, fsync=True)
+    os.replace(temporary, path)
+    fsync_directory(path.parent)
+
+
+def stage_metadata(path: Path, meta: Metadata, *, fsync: bool) -> Path:
+    """Write ``meta`` to the metadata file's temporary file (for a rename over it); returns its path.
+    Without ``fsync`` the caller makes it durable before the rename (see ``queue.close_many``)."""
     temporary = path.with_name(path.name + ".tmp")
     with open(temporary, "wb") as stream:
         stream.write(encode_metadata(meta))
         stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(temporary, path)
-    fsync_directory(path.parent)
+        if fsync:
+            os.fsync(stream.fileno())
+    return temporary
 
 
 class CheckpointFile:

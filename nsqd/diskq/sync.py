@@ -4,15 +4,18 @@ Everything a commit must make durable is gathered in the Trio thread into a
 :class:`SyncPlan`; the worker thread only fsyncs and unlinks fully read
 segments. The Trio thread closes descriptors only while holding
 the gate's lock and bumps its generation when it does, so a plan never
-touches a descriptor that was closed (and maybe reused) under it.
+touches a descriptor that was closed (and maybe reused) under it. Also
+the file system's sync that closing many queues at once shares.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .metadata import Metadata, save_metadata
 from .naming import QueueFiles, fsync_directory
@@ -54,7 +57,7 @@ def release(plan: SyncPlan, files: QueueFiles, gate: SyncGate) -> None:
     """Delete the plan's consumed segments, unless the queue was emptied or closed meanwhile."""
     with gate.lock:
         if plan.generation == gate.generation:
-            _unlink_segments(files, plan.consumed)
+            unlink_segments(files, plan.consumed)
 
 
 def save_and_release(files: QueueFiles, metadata: Metadata, released: list[int]) -> OSError | None:
@@ -71,19 +74,45 @@ def save_and_release(files: QueueFiles, metadata: Metadata, released: list[int])
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             return exc
-        _unlink_segments(files, released)
+        unlink_segments(files, released)
         try:
             save_metadata(files.metadata_path, metadata)
         except OSError as again:
             return again
         return None
-    _unlink_segments(files, released)
+    unlink_segments(files, released)
     return None
 
 
-def _unlink_segments(files: QueueFiles, segments: list[int]) -> None:
+def unlink_segments(files: QueueFiles, segments: list[int]) -> None:
+    """Remove segments whose records are all finished (those already gone are skipped)."""
     for segment in segments:
         try:
             os.unlink(files.segment_path(segment))
         except FileNotFoundError:
             pass
+
+
+def sync_filesystem(directory: Path) -> None:
+    """Make every file of ``directory``'s file system durable (``syncfs``; ``sync`` without it)."""
+    global _syncfs
+    if _syncfs is None:
+        try:
+            _syncfs = ctypes.CDLL(None, use_errno=True).syncfs
+            _syncfs.argtypes = [ctypes.c_int]
+        except (OSError, AttributeError):
+            _syncfs = False
+    if _syncfs is False:
+        os.sync()
+        return
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if _syncfs(fd) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code))
+    finally:
+        os.close(fd)
+
+
+#: libc's syncfs once looked up (False: not there)
+_syncfs = None
