@@ -651,7 +651,7 @@ class Channel:
         attempts = note.get("a", message.frame_attempts(frame)) + note.get("i", 0)
         if attempts != message.frame_attempts(frame):
             frame = message.with_attempts(frame, attempts)
-        failed = note.get("f", failed)
+        failed = note.get("f", failed) + note.get("i", 0)  # in flight at a crash: a failed delivery too
         if attempts > 1 or failed:
             self._revised[pos] = (attempts, failed)
         return frame, note.get("d", due_ns), failed

@@ -19,7 +19,9 @@ from amqp_gateway.sasl import SaslClient
 from amqp_gateway.sections import Data, Header, Message, decode_message, encode_message
 from amqp_gateway.server import serve_amqp
 
-from .support import NSQConnection, running_nsqd, tcp_port
+import signal
+
+from .support import Daemon, NSQConnection, free_port, running_nsqd, tcp_port
 from .test_protocol_v2 import pub_command
 
 
@@ -570,6 +572,42 @@ async def test_a_timed_out_delivery_sent_again_gets_its_own_tag_and_its_late_out
         await eventually(lambda: channel.in_flight_count == 0)
         (consumer,) = consumers(channel)
         assert consumer.finish_count == 1 and channel.depth == 0
+
+
+async def test_messages_in_flight_at_a_crash_come_back_as_failed_deliveries(tmp_path):
+    """A SIGKILL took the deliveries a client held unsettled: as from a consumer gone (spec 3.2.1),
+    they come back counted in delivery-count and not first-acquired (as of the last checkpoint)."""
+    amqp_port = free_port()
+    args = ("--mem-queue-size=0", "--sync-timeout=100ms", f"--amqp-address=127.0.0.1:{amqp_port}")
+    daemon = Daemon(tmp_path, *args)
+    try:
+        await daemon.wait_ready()
+        client = await Client.connect(amqp_port)
+        link = await client.attach(p.RECEIVER, "/topics/t/channels/c")
+        publisher = await NSQConnection.open(daemon.port)
+        await publisher.mpub("t", [b"%d" % i for i in range(5)])
+        link.flow(5)
+        await client.until(lambda: sum(len(e.deliveries) for e in client.events if isinstance(e, ev.Transfers)) == 5)
+        first = client.deliveries(link)
+        assert all((decode_message(d[3]).header or Header()).first_acquirer for d in first)
+        await trio.sleep(0.5)   # a checkpoint notes them in flight
+    finally:
+        daemon.proc.send_signal(signal.SIGKILL)
+        daemon.proc.wait()
+    daemon = Daemon(tmp_path, *args)
+    try:
+        await daemon.wait_ready()
+        client = await Client.connect(amqp_port)
+        link = await client.attach(p.RECEIVER, "/topics/t/channels/c")
+        link.flow(5)
+        await client.until(lambda: sum(len(e.deliveries) for e in client.events if isinstance(e, ev.Transfers)) == 5)
+        again = client.deliveries(link)
+        assert sorted(body_of(d) for d in again) == [b"%d" % i for i in range(5)]
+        headers = [decode_message(d[3]).header or Header() for d in again]
+        assert all(h.delivery_count == 1 and not h.first_acquirer for h in headers)
+    finally:
+        daemon.proc.send_signal(signal.SIGKILL)
+        daemon.proc.wait()
 
 
 # ------------------------------------------------------------ lifecycle
