@@ -203,8 +203,8 @@ class Subscription:
         if missing and self.leases:
             missing = [msg_id for msg_id in missing if not self._finish_leased(msg_id)]
         self.finish_count += len(ids) - len(missing)
-        if channel.failed or channel.released:
-            channel.forget(ids)
+        if channel.failed or channel.released:  # only those finished: another holder's copy keeps its counts
+            channel.forget(ids if not missing else set(ids).difference(missing))
         channel.settled()
         if missing:
             return [(msg_id, self._reason(msg_id)) for msg_id in missing]
@@ -232,7 +232,7 @@ class Subscription:
         self.finish_count += len(published)
         channel.e2e.add_many(published, channel.clock())
         if channel.failed or channel.released:
-            channel.forget(ids)
+            channel.forget(ids if not missing else set(ids).difference(msg_id for msg_id, _ in missing))
         channel.settled()
         return missing
 

@@ -610,6 +610,32 @@ async def test_messages_in_flight_at_a_crash_come_back_as_failed_deliveries(tmp_
         daemon.proc.wait()
 
 
+async def test_a_late_accept_on_another_link_leaves_the_current_copys_counts_alone(tmp_path):
+    """A's accept of its timed-out copy finishes nothing (B holds the message now), and must not
+    wipe the message's failed count: B's release of its copy then still counts."""
+    async with gateway(tmp_path, msg_timeout=1.0) as nsqd:
+        put(nsqd, "t", "c", [b"x", b"z"])
+        first = await Client.connect(nsqd.amqp_port)
+        a = await first.attach(p.RECEIVER, "/topics/t/channels/c", name="A")
+        a.flow(2)
+        await first.until(lambda: sum(len(e.deliveries) for e in first.events if isinstance(e, ev.Transfers)) == 2)
+        got_a = first.deliveries(a)
+        second = await Client.connect(nsqd.amqp_port)
+        b = await second.attach(p.RECEIVER, "/topics/t/channels/c", name="B")
+        b.flow(2)   # both time out at A and come to B
+        await second.until(lambda: sum(len(e.deliveries) for e in second.events if isinstance(e, ev.Transfers)) == 2,
+                           timeout=5)
+        got_b = second.deliveries(b)
+        channel = nsqd.topics["t"].channels["c"]
+        a.settle([got_a[0][0]], p.Accepted())
+        await first.for_a_while(0.2)
+        assert channel.in_flight_count == 2 and channel.failed   # B's copies stand, still counted
+        current = next(d for d in got_b if d[1][:16] == got_a[0][1][:16])
+        b.settle([current[0]], p.Released())
+        await second.for_a_while(0.2)
+        assert channel.requeue_count == 1 and channel.in_flight_count <= 2
+
+
 # ------------------------------------------------------------ lifecycle
 async def test_connection_loss_requeues_in_order(tmp_path):
     async with gateway(tmp_path) as nsqd:

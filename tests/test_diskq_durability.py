@@ -306,7 +306,9 @@ def test_queues_closed_together_share_two_syncs_and_lose_nothing(tmp_path, monke
     real_sync_filesystem = sync.sync_filesystem
     monkeypatch.setattr(sync, "sync_filesystem", lambda d: calls.append("syncfs") or real_sync_filesystem(d))
     assert close_many(queues) == [None] * 20
-    assert calls == ["syncfs", "fsync"]
+    # one syncfs, then each file's own error asked for (clean pages by then), one directory fsync
+    assert calls[0] == "syncfs" and calls[-1] == "fsync" and set(calls[1:-1]) == {"fdatasync"}
+    assert "fsync" not in calls[:-1]
     monkeypatch.undo()
     for queue in queues:
         queue.closed_files(None)
@@ -317,6 +319,30 @@ def test_queues_closed_together_share_two_syncs_and_lose_nothing(tmp_path, monke
         reopened = DiskQueue(f"q{n}", tmp_path, lock_file=False, max_bytes_per_file=16 + 2 * 9)
         assert reopened.read_many(10) == [b"3", b"4", b"5"]
         reopened.close()
+
+
+def test_a_write_back_error_syncfs_does_not_report_fails_that_queue_only(tmp_path, monkeypatch):
+    from nsqd.diskq import close_many
+
+    queues = [DiskQueue(f"q{n}", tmp_path, lock_file=False) for n in range(3)]
+    for queue in queues:
+        queue.put_many([b"x"])
+    bad = set(queues[1]._writer.unsynced_fds())
+    real_fdatasync = os.fdatasync
+
+    def fdatasync(fd):
+        if fd in bad:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real_fdatasync(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    errors = close_many(queues)
+    monkeypatch.undo()
+    assert errors[0] is None and errors[2] is None and errors[1].errno == errno.EIO
+    assert not (tmp_path / "q1.diskq.meta.json").exists()   # nothing says its record is safe
+    assert (tmp_path / "q0.diskq.meta.json").exists() and not list(tmp_path.glob("*.tmp"))
+    with pytest.raises(DiskQueueWriteError, match="Input/output error"):
+        queues[1].closed_files(errors[1])
 
 
 def test_a_queue_that_cannot_be_staged_is_closed_on_its_own_and_a_failed_sync_closes_each_alone(

@@ -1257,16 +1257,34 @@ def close_many(queues: Sequence[DiskQueue]) -> list[DiskQueueWriteError | None]:
     directory = staged[0][1]._files.directory
     try:
         sync.sync_filesystem(directory)
-        for _, queue, _, _, temporary in staged:
+    except OSError:
+        for index, queue, *_ in staged:
+            errors[index] = queue.close_files()
+        return errors
+    synced = []
+    for entry in staged:
+        index, queue, _, _, temporary = entry
+        try:  # the data is clean by now; syncfs may not report a file's own write-back error, this does
+            for fd in queue._writer.unsynced_fds():
+                os.fdatasync(fd)
+        except OSError as exc:  # (reported once per descriptor: its close_files would not see it)
+            errors[index] = queue._write_failed(exc)
+            if temporary is not None:
+                _unlink_if_present(temporary)
+            queue._release_files()
+            continue
+        synced.append(entry)
+    try:
+        for _, queue, _, _, temporary in synced:
             if temporary is not None:
                 os.replace(temporary, queue._files.metadata_path)
                 queue._checkpoint_file.remove()
         fsync_directory(directory)
     except OSError:
-        for index, queue, *_ in staged:
+        for index, queue, *_ in synced:
             errors[index] = queue.close_files()
         return errors
-    for _, queue, meta, released, _ in staged:
+    for _, queue, meta, released, _ in synced:
         queue._closed_staged(meta, released)
     return errors
 
