@@ -142,12 +142,17 @@ class ReadOptions:
             raise OptionError(f"option 'numPartitions' ({partitions}) must be at most "
                               f"{MAX_PARTITIONS_PER_ADDRESS} per nsqd address: each partition holds a "
                               "connection to its daemon")
+        max_messages = _int(values, "maxMessagesPerTrigger", None, 1)
+        min_messages = _int(values, "minMessagesPerTrigger", 0, 0)
+        if max_messages is not None and min_messages > max_messages:
+            raise OptionError(f"option 'minMessagesPerTrigger' ({min_messages}) must be at most "
+                              f"'maxMessagesPerTrigger' ({max_messages})")
         return cls(
             addresses=addresses,
             topic=_name(values, "topic"),
             channel=_name(values, "channel"),
-            max_messages=_int(values, "maxMessagesPerTrigger", None, 1),
-            min_messages=_int(values, "minMessagesPerTrigger", 0, 0),
+            max_messages=max_messages,
+            min_messages=min_messages,
             max_delay=_positive(parse_duration("maxTriggerDelay", values.get("maxTriggerDelay", "1s")),
                                 "maxTriggerDelay"),
             num_partitions=partitions,

@@ -20,6 +20,10 @@ class NSQDataSource(DataSource):
         return "nsq"
 
     def schema(self) -> StructType:
+        """Spark asks this at ``load()`` (reads only): bad read options are refused here with their
+        own message (raised from ``streamReader()``, PySpark 4's runner hides it behind an
+        ``UnboundLocalError``)."""
+        ReadOptions.parse(self.options)
         return SCHEMA
 
     def reader(self, schema: StructType) -> NSQBatchReader:

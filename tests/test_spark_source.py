@@ -218,11 +218,23 @@ def test_trigger_once_runs_further_apart_than_the_lease_timeout_write_each_messa
     ("topic", "bad topic!", "option 'topic' is 'bad topic!', not a valid nsq topic name"),
     ("channel", "spark extra", "option 'channel' is 'spark extra', not a valid nsq channel name"),
     ("reconnectTimeout", "0s", "option 'reconnectTimeout' must be positive"),
+    ("minMessagesPerTrigger", "1000", r"option 'minMessagesPerTrigger' \(1000\) must be at most 'maxMessagesPerTrigger' \(100\)"),
     ("maxInFlight", "5000", r"option 'maxInFlight' \(5000\) is above the --max-rdy-count of nsqd .* \(2500\)"),
     ("msgTimeoutMs", "3600000", r"option 'msgTimeoutMs' \(3600000\) is above the --max-msg-timeout"),
 ])
 def test_bad_options_are_errors_naming_the_option_before_any_data(spark, daemon, option, value, message):
     reader = spark.readStream.format("nsq").option("nsqd.address", address(daemon)).option("topic", "x") \
-        .option("channel", "c").option(option, value)
+        .option("channel", "c").option("maxMessagesPerTrigger", "100").option(option, value)
     with pytest.raises(Exception, match=message):  # the topic is empty: limits are checked at start
         reader.load().writeStream.format("console").start().awaitTermination(30)
+
+
+def test_a_bad_streaming_option_is_refused_at_load_with_its_own_message(spark, daemon):
+    """Raised from streamReader(), PySpark's runner showed an UnboundLocalError as the error."""
+    reader = spark.readStream.format("nsq").option("nsqd.address", address(daemon)).option("topic", "x") \
+        .option("channel", "c").option("maxMessagesPerTrigger", "0")
+    with pytest.raises(Exception) as raised:
+        reader.load()
+    text = str(raised.value)
+    assert "option 'maxMessagesPerTrigger' must be at least 1, got 0" in text
+    assert "UnboundLocalError" not in text
