@@ -48,8 +48,8 @@ MAX_PARTIAL_BYTES = 8 * 1024 * 1024
 IDS_PER_FRAME = 64
 #: shortest idle-time-out we keep to (spec 2.4.5 lets a peer refuse one it cannot support): each
 #: connection costs an empty frame every half of it, and at 100 ms 500 connections took half a CPU;
-#: NSQ's own floor for a client's heartbeat interval is 1 s too
-MIN_PEER_IDLE_TIMEOUT_MS = 1000
+#: Qpid Proton announces half its heartbeat, so 500 ms takes a client's 1 s heartbeat
+MIN_PEER_IDLE_TIMEOUT_MS = 500
 
 _OPEN, _BEGIN, _ATTACH, _FLOW, _TRANSFER, _DISPOSITION, _DETACH, _END, _CLOSE = range(0x10, 0x19)
 _PERFORMATIVES = {_OPEN: Open, _BEGIN: Begin, _ATTACH: Attach, _FLOW: Flow, _DISPOSITION: Disposition,

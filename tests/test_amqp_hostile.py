@@ -83,9 +83,9 @@ async def still_serving(nsqd) -> None:
     (AMQP_HEADER + OPEN + encode_frame(65535, p.Begin(None, 0, 10, 10).encode_amqp()), FRAMING_ERROR,
      "channel 65535 exceeds channel-max 255"),
     (AMQP_HEADER + encode_frame(0, p.Open("x", idle_time_out=1).encode_amqp()), RESOURCE_LIMIT_EXCEEDED,
-     "idle-time-out 1 ms is below the 1000 ms we support"),
-    (AMQP_HEADER + encode_frame(0, p.Open("x", idle_time_out=999).encode_amqp()), RESOURCE_LIMIT_EXCEEDED,
-     "idle-time-out 999 ms is below the 1000 ms we support"),
+     "idle-time-out 1 ms is below the 500 ms we support"),
+    (AMQP_HEADER + encode_frame(0, p.Open("x", idle_time_out=499).encode_amqp()), RESOURCE_LIMIT_EXCEEDED,
+     "idle-time-out 499 ms is below the 500 ms we support"),
     (AMQP_HEADER + OPEN + encode_frame(0, b"\x00\x53\x10" + b"\xc0\x01\x00"), DECODE_ERROR,
      "Open.container_id is mandatory"),
 ])

@@ -86,6 +86,21 @@ class SecondSettleMode(LinkOption):
         link.rcv_settle_mode = Link.RCV_SECOND
 
 
+async def test_a_one_second_proton_heartbeat_is_taken_and_kept(tmp_path):
+    """Proton announces half its heartbeat as idle-time-out (500 ms for heartbeat=1)."""
+    async with daemon(tmp_path) as nsqd:
+        def idle_then_publish():
+            conn = connect(nsqd, heartbeat=1)
+            sender = conn.create_sender("/topics/beat")
+            pump(conn, 2.5)   # silent but for heartbeats, both ways
+            state = sender.send(Message(body=b"still here", inferred=True)).remote_state
+            conn.close()
+            return state
+
+        assert await in_thread(idle_then_publish) == Delivery.ACCEPTED
+        assert nsqd.topics["beat"].depth == 1
+
+
 # ------------------------------------------------------------ publishing
 async def test_publish_unsettled_is_accepted_and_presettled_arrives(tmp_path):
     async with daemon(tmp_path) as nsqd:

@@ -674,7 +674,7 @@ async def test_deleted_channel_detaches_its_consumers(tmp_path):
 
 @pytest.fixture
 def short_idle_timeouts(monkeypatch):
-    """Idle timeouts in tenths of a second, below the 1 s floor both engines keep to, for speed."""
+    """Idle timeouts in tenths of a second, below the 500 ms floor both engines keep to, for speed."""
     monkeypatch.setattr(amqp_connection, "MIN_PEER_IDLE_TIMEOUT_MS", 100)
 
 
