@@ -154,8 +154,7 @@ class Leases:
         holder, lease.holder = lease.holder, None
         if holder is not None:
             holder.leases.discard(lease)
-            if holder.lease is lease:
-                holder.lease = None
+            # (still its current lease, sealed: the connection takes nothing until its next LEASE)
             holder.consumer.wake()  # its budget has room again
 
     def kept(self) -> tuple[list, int]:

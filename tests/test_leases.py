@@ -97,6 +97,33 @@ async def test_lreq_requeues_the_whole_lease(tmp_path):
         assert [m.attempts for m in again] == [2, 2, 2, 1]
 
 
+@pytest.mark.parametrize("end", ["LFIN", "LREQ", "timeout"])
+async def test_a_connection_whose_current_lease_ended_receives_nothing_until_its_next_lease(tmp_path, end):
+    """docs/leases.md: after LFIN or LREQ (or its messages timing out) the lease is gone, and its
+    connection receives nothing more until another LEASE: untagged deliveries would reach a
+    reader that files every message under a lease."""
+    async with running_nsqd(tmp_path, queue_scan_interval=0.02) as nsqd:
+        conn = await lease_consumer(nsqd, msg_timeout=1000)
+        await conn.mpub("t", [b"a", b"b"])
+        await lease_command(conn, "LEASE cur")
+        await conn.command("RDY 1")
+        first = await conn.read_message()
+        if end == "timeout":
+            channel = nsqd.topics["t"].channels["c"]
+            with trio.fail_after(5):
+                while "cur" in channel.leases:
+                    await trio.sleep(0.02)
+        else:
+            assert (await lease_command(conn, f"{end} cur" + (" 0" if end == "LREQ" else "")))["count"] == 1
+        await conn.command("RDY 5")
+        with trio.move_on_after(0.5):
+            await conn.read_message()
+            raise AssertionError("an untagged delivery after the current lease ended")
+        assert (await lease_command(conn, "LEASE next"))["lease"] == "next"
+        got = [await conn.read_message() for _ in range(1 if end == "LFIN" else 2)]
+        assert {m.body for m in got} == ({b"b"} if end == "LFIN" else {first.body, b"b"})
+
+
 async def test_lease_commands_need_the_feature(tmp_path):
     async with running_nsqd(tmp_path) as nsqd:
         conn = await NSQConnection.open(tcp_port(nsqd))
