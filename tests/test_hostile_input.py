@@ -173,6 +173,9 @@ async def test_req_and_lreq_with_5000_digits_clamp_as_nsqd_does(tmp_path, logs):
         await sub.command(b"LREQ L " + HUGE)
         kind, data = await sub.read_non_heartbeat()
         assert (kind, json.loads(data)) == (FRAME_RESPONSE, {"lease": "L", "count": 1})
+        assert channel.deferred_count == 0   # requeued at once
+        await sub.command(b"LEASE M")   # its current lease ended: it takes messages again under a new one
+        assert json.loads((await sub.read_non_heartbeat())[1])["lease"] == "M"
         again = await sub.read_message(timeout=2)
         assert again.id == leased.id and channel.deferred_count == 0
 
