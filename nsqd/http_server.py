@@ -175,6 +175,9 @@ URI_SCHEME = re.compile(rb"[A-Za-z][A-Za-z0-9+.-]*:")
 HOST = re.compile(rb"[A-Za-z0-9!$%&'()*+,\-.:;=\[\]_~]*")
 #: a line feed with no carriage return before it
 _BARE_LF = re.compile(rb"(?<!\r)\n")
+#: CR or LF bytes at the start of what follows a POST's body that are skipped (RFC 9112 section 2.2's
+#: tolerance for old clients that end a body with a line end, as Go's net/http: at most 4)
+STRAY_LINE_ENDS = 4
 _ORDINARY_FAULTS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 #: what Go's net/http answers plain HTTP on a TLS port with, when the first five bytes say so
 PLAIN_HTTP_ON_HTTPS = b"HTTP/1.0 400 Bad Request\r\n\r\nClient sent an HTTP request to an HTTPS server.\n"
@@ -350,6 +353,8 @@ class _Connection:
         self._linger = False  # the client may still be sending when we close
         self._body_deadline = 0.0
         self._peer_closed = False
+        #: how many more CR or LF bytes may be skipped before the next request line (after a POST)
+        self._stray_allowed = 0
         #: the request body's chunks (chunked bodies) and bytes so far, and events since a turn was given
         self._body_chunks = self._body_bytes = self._body_events = 0
 
@@ -415,7 +420,6 @@ class _Connection:
                 await _close(self.stream)
 
     async def _serve(self) -> None:
-        conn = self.h11
         if self.server.tls_context is not None:
             self._wait()
             self._set_deadline("handshake", trio.current_time() + self.limits.head_timeout)
@@ -429,10 +433,25 @@ class _Connection:
                 raise
         while True:
             request = await self._read_head()
-            if (request is None or not await self._answer(request) or conn.our_state is h11.MUST_CLOSE
+            if (request is None or not await self._answer(request) or self.h11.our_state is h11.MUST_CLOSE
                     or self._stopping):
                 return
-            conn.start_next_cycle()
+            self.h11.start_next_cycle()
+            if request.method == b"POST":
+                self._skip_stray_line_ends()
+
+    def _skip_stray_line_ends(self) -> None:
+        """Drop up to STRAY_LINE_ENDS CR or LF bytes after a POST's body: those already buffered
+        now (h11 would refuse them as an empty request line), those still to come as they arrive."""
+        data, closed = self.h11.trailing_data
+        skip = _leading_line_ends(data[:STRAY_LINE_ENDS])
+        self._stray_allowed = STRAY_LINE_ENDS - skip if skip == len(data) and not closed else 0
+        if skip:
+            self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_head_size)
+            if data[skip:]:
+                self.h11.receive_data(data[skip:])
+            if closed:
+                self.h11.receive_data(b"")
 
     def _set_deadline(self, phase: str, deadline: float) -> None:
         self._phase = phase
@@ -479,7 +498,14 @@ class _Connection:
                         self._set_deadline("head", head_deadline)
                     else:
                         self._set_deadline("idle", min(head_deadline, start + limits.idle_timeout))
-                    conn.receive_data(await self.stream.receive_some(RECEIVE_SIZE))
+                    data = await self.stream.receive_some(RECEIVE_SIZE)
+                    if self._stray_allowed and data:
+                        skip = _leading_line_ends(data[:self._stray_allowed])
+                        self._stray_allowed = self._stray_allowed - skip if skip == len(data) else 0
+                        data = data[skip:]
+                        if not data:
+                            continue
+                    conn.receive_data(data)
                     started = True
                 elif type(event) is h11.Request:
                     self._set_deadline("app", math.inf)
@@ -643,6 +669,11 @@ def _refusal(event: h11.Request, max_head_size: int) -> Response | None:
         elif name == b"expect" and value.strip().lower() != b"100-continue":
             return Response(417, [], b"")
     return None
+
+
+def _leading_line_ends(data: bytes) -> int:
+    """How many bytes at the start of ``data`` are CR or LF."""
+    return len(data) - len(data.lstrip(b"\r\n"))
 
 
 async def _linger(stream: trio.SocketStream) -> None:

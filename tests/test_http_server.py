@@ -555,6 +555,44 @@ async def test_keep_alive_and_pipelined_requests_are_answered_in_order(daemon):
     assert await client.closed()
 
 
+PUB_T = b"POST /pub?topic=t HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"
+PING = b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+@pytest.mark.parametrize("pieces", [
+    [PUB_T + b"\r\n" + PING],                       # in the same write
+    [PUB_T + b"\r\n", PING],                        # then the next request on its own
+    [PUB_T, b"\n\n", b"\r\n" + PING],              # four, in pieces
+    [PUB_T + b"\r", b"\n\r", b"\n" + PING],
+])
+async def test_up_to_four_line_ends_after_a_post_body_are_skipped_as_go_does(daemon, pieces):
+    """Old clients end a POST body with CRLF; Go's server skips up to 4 such bytes (RFC 9112 2.2)."""
+    client = await Raw.open(http_port(daemon))
+    for piece in pieces:
+        await client.send(piece)
+        await trio.sleep(0.05)
+    assert (await client.response()).body == b"OK"
+    assert (await client.response()).body == b"OK"
+    assert topic_depth(daemon, "t") == 1
+    await client.send(PUB_T + b"\r\n" + PUB_T)  # again on the same connection
+    assert (await client.response()).body == b"OK"
+    assert (await client.response()).body == b"OK"
+    assert topic_depth(daemon, "t") == 3
+    await client.aclose()
+
+
+@pytest.mark.parametrize("data", [
+    PUB_T + b"\r\n\r\n\r\n" + PING,  # more than four
+    PING + b"\r\n" + PING,            # after a request that is not a POST
+])
+async def test_other_line_ends_before_a_request_line_are_a_bad_request(daemon, data):
+    client = await Raw.open(http_port(daemon))
+    await client.send(data)
+    assert (await client.response()).body == b"OK"
+    json_error(await client.response(), 400, "BAD_REQUEST")
+    assert await client.closed()
+
+
 async def test_targets_are_routed_on_their_decoded_path(daemon):
     """As Go's router: percent-escapes decoded, an absolute-form target routed on its path."""
     client = await Raw.open(http_port(daemon))
