@@ -152,6 +152,8 @@ class Connection:
         self.partial_reserved = 0
         #: complete frames are left: call ``receive_data(b"")`` to go on
         self.more = False
+        #: AMQP frames received other than empty ones (heartbeats), which change nothing
+        self.frames_received = 0
         self._frames = None
         self.output: list[bytes] = []
         #: bytes of transfer frames waiting in the sessions for the peer's windows (Session.pending)
@@ -413,6 +415,7 @@ class Connection:
     def _on_frame(self, channel: int, body: bytes, events: list) -> None:
         if not body:
             return  # a heartbeat
+        self.frames_received += 1
         if channel > self.channel_max and self.open_sent:
             # spec 2.7.1: a channel number beyond our channel-max closes the connection with framing-error
             raise ConnectionFault(FRAMING_ERROR, f"channel {channel} exceeds channel-max {self.channel_max}")

@@ -95,6 +95,10 @@ class GatewayConnection:
         #: a link's part of the last round stopped for a budget with credit left: the driver
         #: comes back for more, after a checkpoint, even if the round sent nothing
         self.stopped_short = False
+        #: something may have changed what the links can be sent since the last fill round (a
+        #: frame other than a heartbeat, a channel's wake-up, a send): a round over a thousand
+        #: links costs milliseconds, and a heartbeat, 8 bytes, must not buy one
+        self.fill_due = True
         self.publishers: dict[Link, LinkPublisher] = {}
         #: every receiving link's messages in flight count in one budget: --max-rdy-count per connection
         self.budget = Budget(nsqd.options.max_rdy_count)
@@ -125,7 +129,11 @@ class GatewayConnection:
 
     # ----------------------------------------------------------------- input
     def receive_data(self, data: bytes, now_ns: int) -> None:
-        self._held.extend(self.engine.receive_data(data))
+        engine = self.engine
+        frames = engine.frames_received
+        self._held.extend(engine.receive_data(data))
+        if engine.frames_received != frames:
+            self.fill_due = True
         self._run(now_ns)
 
     def _run(self, now_ns: int) -> None:
@@ -162,6 +170,7 @@ class GatewayConnection:
         self._run(now_ns)
 
     def handle(self, event, now_ns: int) -> None:
+        self.fill_due = True  # held events are handled after the round their frames started
         kind = type(event)
         if kind is ev.Transfers:
             publisher = self.publishers.get(event.link)
@@ -297,6 +306,7 @@ class GatewayConnection:
             publisher.close()
 
     def _wake(self) -> None:
+        self.fill_due = True
         self.on_wake()
 
     # ---------------------------------------------------------------- output
@@ -305,11 +315,13 @@ class GatewayConnection:
         session windows (detaching those whose channel went).
 
         A round that runs out of bytes ends at that link; the next round starts
-        with the link after it, so every link gets its turn.
+        with the link after it, so every link gets its turn. Nothing happens
+        unless a round is due (:attr:`fill_due`).
         """
         self.stopped_short = False
-        if self.engine.close_sent:
+        if self.engine.close_sent or not self.fill_due:
             return
+        self.fill_due = False
         items = list(self.consumers.items())
         count = len(items)
         # transfers still waiting for the peer's session windows count against the round: a peer
@@ -326,6 +338,8 @@ class GatewayConnection:
                     self.stopped_short = self.stopped_short or consumer.stopped_short
                     if left <= 0 < start:
                         self._fill_next = (i + 1) % count
+        if self.stopped_short:
+            self.fill_due = True
 
     @property
     def publishers_starved(self) -> bool:
