@@ -74,8 +74,11 @@ from .accept import accept_loop
 from .options import split_host_port
 from .tcp import peer_address
 
-#: the status line's reason phrase, as Go's net/http writes it ("HTTP/1.1 200 OK")
-_REASONS = {status.value: status.phrase.encode() for status in http.HTTPStatus}
+#: the status line's reason phrase, as Go's net/http writes it ("HTTP/1.1 200 OK"): Python's
+#: phrases, but for those Go words otherwise (and Python 3.13 renamed: 413 "Content Too Large")
+_REASONS = {status.value: status.phrase.encode() for status in http.HTTPStatus} | {
+    413: b"Request Entity Too Large", 414: b"Request URI Too Long", 416: b"Requested Range Not Satisfiable",
+    418: b"I'm a teapot", 422: b"Unprocessable Entity"}
 
 log = structlog.get_logger("nsqd.http")
 
@@ -606,9 +609,8 @@ class _Connection:
                 # h11 waits for the CRLF that ends a chunk's line, and gets a bare LF: it would wait
                 # until the body deadline (Go answers 400 at once, since CVE-2025-22871)
                 raise BadRequest(400, "BAD_REQUEST", "a line of the chunked body ends with a bare LF")
-            if conn.they_are_waiting_for_100_continue:
-                await self._send(conn.send(h11.InformationalResponse(
-                    status_code=100, headers=[(b"Date", self.server.date())], reason=b"Continue")))
+            if conn.they_are_waiting_for_100_continue:  # as Go's: the status line alone
+                await self._send(conn.send(h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")))
             self._set_deadline("body", self._body_deadline)
             waiting = self.server._stalled
             waiting[self] = trio.current_time()
@@ -666,8 +668,8 @@ def _refusal(event: h11.Request, max_head_size: int) -> Response | None:
             hosts += 1
             if hosts > 1 or not HOST.fullmatch(value):
                 return error_response(400, "BAD_REQUEST")
-        elif name == b"expect" and value.strip().lower() != b"100-continue":
-            return Response(417, [], b"")
+        elif name == b"expect" and b"100-continue" not in (t.strip() for t in value.lower().split(b",")):
+            return Response(417, [], b"")  # Go's server meets only 100-continue, wherever in the list
     return None
 
 
