@@ -727,10 +727,16 @@ class Broker:
                 if done.failed:
                     return
 
-    def save_metadata(self) -> None:
+    def metadata_bytes(self) -> bytes:
+        """nsqd.dat's contents now; read on the event loop, which owns the topics and channels."""
+        return json.dumps(self.metadata(), separators=(",", ":")).encode()
+
+    def save_metadata(self, data: bytes | None = None) -> None:
+        """Write ``data`` (default: the state now) as nsqd.dat, durably; may run in a worker thread."""
         path = self.data_path / METADATA_FILE
         tmp = path.with_name(f"{METADATA_FILE}.{os.getpid()}.tmp")
-        data = json.dumps(self.metadata(), separators=(",", ":")).encode()
+        if data is None:
+            data = self.metadata_bytes()
         try:
             with open(tmp, "wb") as f:
                 f.write(data)
@@ -856,7 +862,7 @@ class Broker:
             changes = self._metadata_changes
             done, self._metadata_save_done = self._metadata_save_done, _SaveDone()
             try:
-                await trio.to_thread.run_sync(self.save_metadata)
+                await trio.to_thread.run_sync(self.save_metadata, self.metadata_bytes())
             except OSError as exc:
                 self._storage_failed(f"cannot save {self.data_path / METADATA_FILE}: {exc}")
                 done.failed = True

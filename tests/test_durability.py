@@ -657,3 +657,23 @@ async def test_the_depth_after_a_crash_counts_a_batch_s_requeued_and_touched_mes
     finally:
         assert await daemon.stop() == 0
     assert b"diskq_depth_reconciled" not in daemon.proc.stderr.read()
+
+
+async def test_nsqd_dat_is_built_on_the_event_loop_that_owns_the_topics(tmp_path, monkeypatch):
+    """A worker thread read the topics and channels to save them while the event loop changed
+    them: a torn document, or a dict changed during iteration. Now only the write is threaded."""
+    import threading
+
+    from nsqd.broker import Broker
+
+    threads = []
+    metadata = Broker.metadata
+    monkeypatch.setattr(Broker, "metadata", lambda self: threads.append(threading.get_ident()) or metadata(self))
+    async with running_nsqd(tmp_path) as nsqd:
+        for index in range(20):
+            nsqd.declare(f"t{index}", "c")
+            nsqd.persist_metadata_soon()
+            await nsqd.metadata_saved()
+        assert threads and set(threads) == {threading.get_ident()}
+    async with running_nsqd(tmp_path) as nsqd:
+        assert sorted(nsqd.topics) == sorted(f"t{index}" for index in range(20))
