@@ -18,6 +18,8 @@ from collections.abc import Iterator
 
 from . import gc_pauses, stats
 
+#: lines a piece of a paced exposition holds at most (a family of 10,000 channels is 10,000)
+STEP_LINES = 1024
 _TOPIC = (
     ("depth", "gauge", "Messages queued in the topic itself (no channel yet, or paused).", "depth"),
     ("backend_depth", "gauge", "Messages of the topic queue that are on disk.", "backend_depth"),
@@ -66,7 +68,7 @@ async def render_paced(snapshot: stats.NSQDStats, clients: int,
 
 
 def _pieces(snapshot: stats.NSQDStats, clients: int, body_memory: tuple[int, int, int, int]) -> Iterator[str]:
-    """The exposition, one piece a metric family of topics or channels."""
+    """The exposition, one piece a metric family of topics or channels (or STEP_LINES of its lines)."""
     out: list[str] = []
     add = out.append
     add("# HELP nsqd_info Version of the NSQ protocol and API the daemon implements.")
@@ -106,6 +108,8 @@ def _pieces(snapshot: stats.NSQDStats, clients: int, body_memory: tuple[int, int
         add(f"# TYPE nsqd_topic_{name} {kind}")
         for t in snapshot.topics:
             add(f'nsqd_topic_{name}{{topic="{t.topic_name}"}} {int(getattr(t, attr))}')
+            if len(out) >= STEP_LINES:
+                yield _lines(out)
         yield _lines(out)
     for name, kind, help_text, attr in _CHANNEL:
         add(f"# HELP nsqd_channel_{name} {help_text}")
@@ -115,6 +119,8 @@ def _pieces(snapshot: stats.NSQDStats, clients: int, body_memory: tuple[int, int
             for c in t.channels:
                 add(f'nsqd_channel_{name}{{topic="{topic}",channel="{c.channel_name}"}} '
                     f"{int(getattr(c, attr))}")
+                if len(out) >= STEP_LINES:
+                    yield _lines(out)
         yield _lines(out)
     add("# HELP nsqd_channel_e2e_processing_latency_seconds Publish-to-FIN latency quantiles.")
     add("# TYPE nsqd_channel_e2e_processing_latency_seconds gauge")
@@ -123,6 +129,8 @@ def _pieces(snapshot: stats.NSQDStats, clients: int, body_memory: tuple[int, int
             for p in c.e2e_processing_latency.percentiles:
                 add(f'nsqd_channel_e2e_processing_latency_seconds{{topic="{t.topic_name}",'
                     f'channel="{c.channel_name}",quantile="{p["quantile"]}"}} {p["value"] / 1e9:.6f}')
+            if len(out) >= STEP_LINES:
+                yield _lines(out)
     add("# HELP process_resident_memory_max_bytes Peak resident memory of the daemon.")
     add("# TYPE process_resident_memory_max_bytes gauge")
     add(f"process_resident_memory_max_bytes {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}")

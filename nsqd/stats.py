@@ -21,7 +21,7 @@ import json
 import resource
 import sys
 import time
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from datetime import datetime
 from collections.abc import Generator, Iterator
 from typing import TYPE_CHECKING
@@ -171,6 +171,9 @@ class NSQDStats:
 
 #: longest a paced /stats runs before the event loop serves other work (seconds)
 SLICE = 0.002
+#: channels a step of a paced /stats takes at most (a topic with 10,000 channels, in one step,
+#: held the event loop for 0.3 s)
+STEP_CHANNELS = 64
 
 
 class Pacer:
@@ -246,8 +249,17 @@ def _snapshot_steps(
         else:
             channels = sorted(t.channels.values(), key=lambda c: c.name)
         now_ns = nsqd.now_ns()
-        channel_stats = tuple(_channel_stats(c, topic, include_clients, now_ns) for c in channels)
-        topic_stats.append(_topic_stats(t, channel_stats, now_ns))
+        channel_stats: list[ChannelStats] = []
+        for start in range(0, len(channels), STEP_CHANNELS):
+            if start:
+                yield
+                if nsqd.topics.get(t.name) is not t:
+                    break
+                now_ns = nsqd.now_ns()
+            channel_stats += [_channel_stats(c, topic, include_clients, now_ns)
+                              for c in channels[start:start + STEP_CHANNELS] if t.channels.get(c.name) is c]
+        else:
+            topic_stats.append(_topic_stats(t, tuple(channel_stats), now_ns))
         yield
     producers: tuple[ClientStats, ...] = ()
     if include_clients and not topic_missing:
@@ -463,7 +475,17 @@ def _json_pieces(stats: NSQDStats) -> Iterator[str]:
         if name == "topics":
             yield f'{separator}"topics":['
             for index, topic in enumerate(value):
-                yield ("," if index else "") + _go_json_text(to_json_value(topic))
+                comma = "," if index else ""
+                if len(topic.channels) <= STEP_CHANNELS:
+                    yield comma + _go_json_text(to_json_value(topic))
+                    continue
+                # its channels a step at a time, in their place among the topic's fields
+                head, _, tail = _go_json_text(to_json_value(replace(topic, channels=()))).partition('"channels":[]')
+                yield f'{comma}{head}"channels":['
+                for start in range(0, len(topic.channels), STEP_CHANNELS):
+                    chunk = topic.channels[start:start + STEP_CHANNELS]
+                    yield ("," if start else "") + _go_json_text(to_json_value(chunk))[1:-1]
+                yield "]" + tail
             yield "]"
         else:
             yield f"{separator}{_go_json_text(name)}:{_go_json_text(to_json_value(value))}"
@@ -523,7 +545,10 @@ def _text_pieces(stats: NSQDStats) -> Iterator[str]:
             f"{mark}[{t.topic_name:<15}] depth: {t.depth:<5} be-depth: {t.backend_depth:<5} "
             f"msgs: {t.message_count:<8} e2e%: {_e2e_text(t.e2e_processing_latency)}"
         )
-        for c in t.channels:
+        for number, c in enumerate(t.channels, 1):
+            if not number % STEP_CHANNELS:
+                yield "\n".join(lines) + "\n"
+                lines = []
             mark = "   *P " if c.paused else "      "
             lines.append(
                 f"{mark}[{c.channel_name:<25}] depth: {c.depth:<5} be-depth: {c.backend_depth:<5} "
