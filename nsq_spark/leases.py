@@ -17,8 +17,11 @@ one's last arrive, so the partition reads in order without waiting. The
 current connection is closed once its segment is full, or sealed first
 (``RDY 0``, ``LEASE``: the messages before the answer are its last) when it
 is not. Segments are opened in order and each holds at least one message,
-so whoever walks them (a replay, the driver's LFIN and LTOUCH) stops at the
-first that is missing.
+so a replay stops at the first that is missing, and the driver's LFIN and
+LTOUCH, which walk them a window of names at a time, after the first window
+with one missing. Segments expire one by one (each from its own last
+touch), so a replay queues again whatever is left after a missing one
+rather than leave it to the driver's LFIN unread.
 
 Reopening a live lease sends exactly its messages again, whatever RDY is,
 so a replayed partition yields what its first read yielded (its segments
@@ -354,6 +357,8 @@ class LeaseReader:
         if reply["reopened"]:
             yield from self._reopened(conn, reply["count"])
             return
+        if self.replay:
+            self._requeue_beyond(conn)
         self._past_end = True
         self._got = 0  # if it had given messages, the daemon lost the lease (they are queued again, or lost)
         if not fresh:
@@ -368,6 +373,25 @@ class LeaseReader:
             return open_lease(conn, name, before="RDY 0\n")
         self._want = self._room()
         return open_lease(conn, name, after=f"RDY {self._want}\n")
+
+    def _requeue_beyond(self, conn: Connection) -> None:
+        """A replay ends at the first segment missing; segments after it that are still there go
+        back to the queue (``LREQ``), up to a whole window of missing names.
+
+        Segments do not expire together (each one's timeout counts from its own
+        last delivery or touch), so the first attempt's later segments may
+        outlive an earlier one. This replay did not read them, and the
+        driver's walks (:func:`settle`) go on to the end of a window: its
+        ``LFIN`` would finish them unread. Queued again, they are read later
+        (at least once, as after any expiry).
+        """
+        first = self._segment + 1
+        while True:
+            names = [segment_name(self.base, first + i) for i in range(WINDOW)]
+            conn.send("".join(f"LREQ {name} 0\n" for name in names).encode())
+            if not any([lease_reply(conn)["count"] for _ in names]):
+                return
+            first += WINDOW
 
     def _room(self, ahead: int = 0) -> int:
         """How many messages the next segment may take, ``ahead`` more being on their way (a replay: any)."""

@@ -127,6 +127,19 @@ def test_a_replay_of_expired_leases_reads_nothing_new(daemon):
     assert len(consume(addr, "l2", "c", idle=0.3)) == 10
 
 
+def test_a_replay_that_finds_a_segment_expired_queues_the_later_ones_again_so_lfin_finishes_nothing_unread(daemon):
+    """Segments expire one by one: with the first gone and the others live, the replay read nothing,
+    and the driver's LFIN walk (a window of 16 names) finished the later segments unread: lost."""
+    addr = address(daemon)
+    publish(addr, "gap", bodies(250))
+    _, got, segments = read(addr, "gap", "g:1:0", max_in_flight=100, max_messages=250)
+    assert got == bodies(250) and len(segments) == 3
+    assert lease_command(addr, "gap", "LREQ g:1:0 0")["count"] == segments[0][1]  # as if it expired
+    assert read(addr, "gap", "g:1:0", replay=True) == ([], [], [])
+    assert settle_all(addr, "gap", "g:1:0", "LFIN") == 0  # nothing of this batch was read again
+    assert sorted(b for _, _, b in consume(addr, "gap", "c", idle=0.3)) == bodies(250)
+
+
 def test_a_retried_first_read_replays_the_earlier_attempt_then_reads_on(daemon):
     addr = address(daemon)
     publish(addr, "l3", bodies(300))
