@@ -257,6 +257,35 @@ def test_records_lost_with_a_missing_middle_segment_are_counted(tmp_path, read_f
     assert queue.statistics().corrupt_records_skipped == 0
     queue.close()
 
+@pytest.mark.parametrize("damage, read_first", [("deleted", 0), ("deleted", 7), ("cut short", 7)])
+def test_records_lost_with_the_read_segment_are_counted(tmp_path, damage, read_first):
+    """The read segment gone, or cut below the read position, took its unread records: they were
+    only logged; now counted as damage as for a segment missing further on."""
+    items = payloads(100)
+    spans = record_spans(tmp_path, items)
+    queue = open_queue(tmp_path)
+    queue.put_many(items)
+    assert queue.read_many(read_first) == items[:read_first]
+    queue.close()
+    first = spans[0][0]
+    in_first = sum(1 for span in spans if span[0] == first)
+    if damage == "deleted":
+        first.unlink()
+        left = items[in_first:]
+    else:
+        with open(first, "r+b") as stream:
+            stream.truncate(spans[3][2])
+        left = items[:4] + items[in_first:]  # read before, so delivered again rather than lost
+    queue = open_queue(tmp_path)
+    assert queue.depth == len(left)
+    assert drain(queue) == left
+    assert queue.statistics().corrupt_records_skipped == in_first - read_first
+    queue.close()
+    queue = open_queue(tmp_path)  # counted once
+    assert queue.statistics().corrupt_records_skipped == 0
+    queue.close()
+
+
 def test_leftover_read_segments_are_removed(tmp_path):
     items = payloads(100)
     write_queue(tmp_path, items)

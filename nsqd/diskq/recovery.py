@@ -101,9 +101,11 @@ class _Recovery:
         else:
             scan_segment, scan_position, depth = read_segment, read_position, 0
             self.log.warning("diskq_recounting_depth", from_segment=read_segment, from_position=read_position)
-        # segments gone from between matching read and write positions took records with them:
-        # the saved depth less what is left before the saved write position is a count of the loss
-        counting_loss = distrust == SEGMENTS_MISSING
+        # segments gone from between matching read and write positions took records with them, and so
+        # did a read segment gone or cut short below the read position while the saved write position
+        # is intact: the saved depth less what is left past the saved read position and before the
+        # saved write position is a count of the loss
+        counting_loss = distrust == SEGMENTS_MISSING or (meta is not None and self._read_segment_lost(meta))
         found_before_saved_end = 0
 
         tail = segments[-1]
@@ -112,14 +114,16 @@ class _Recovery:
             if segment < scan_segment:
                 continue
             start = max(scan_position if segment == scan_segment else 0, SEGMENT_HEADER_SIZE)
+            # records before the saved read position (a read segment cut short) are not in the saved depth
+            counted = counting_loss and (segment, start) >= (meta.read_segment, meta.read_position)
             if counting_loss and segment == meta.write_segment and start < meta.write_position:
                 before = self._scan(segment, start, meta.write_position)
-                found_before_saved_end += before.records
+                found_before_saved_end += before.records if counted else 0
                 depth += before.records
                 start = meta.write_position
             found = self._scan(segment, start)
             depth += found.records
-            if counting_loss and segment < meta.write_segment:
+            if counted and segment < meta.write_segment:
                 found_before_saved_end += found.records
             if segment == tail:
                 write_position = found.end
@@ -187,6 +191,15 @@ class _Recovery:
                 self.log.info("diskq_consumed_segment_removed", segment=segment)
                 os.unlink(self.files.segment_path(segment))
         return [segment for segment in segments if segment >= release_segment]
+
+    def _read_segment_lost(self, meta: Metadata) -> bool:
+        """The saved read segment is gone or shorter than the read position, while the saved write
+        position, past it, is still in its segment."""
+        read_size = self.sizes.get(meta.read_segment)
+        return ((read_size is None or meta.read_position > read_size)
+                and (meta.write_segment, meta.write_position) > (meta.read_segment, meta.read_position)
+                and meta.write_segment != meta.read_segment
+                and SEGMENT_HEADER_SIZE <= meta.write_position <= self.sizes.get(meta.write_segment, 0))
 
     def _read_start(self, meta: Metadata | None, segments: list[int]) -> tuple[int, int]:
         if meta is not None and meta.read_segment in self.sizes:
