@@ -228,17 +228,22 @@ def test_missing_read_segment_starts_at_the_next_one(tmp_path):
     queue.close()
 
 
-
-@pytest.mark.parametrize("read_first", [0, 7])
-def test_records_lost_with_a_missing_middle_segment_are_counted(tmp_path, read_first):
-    """A segment gone from between the read and write positions took its records: they are
-    counted as damage (in /stats and /metrics), not only logged; every other record is delivered."""
+def written_and_read(tmp_path, read_first):
+    """A queue of 100 records over several segments, the first ``read_first`` read; (items, spans)."""
     items = payloads(100)
     spans = record_spans(tmp_path, items)
     queue = open_queue(tmp_path)
     queue.put_many(items)
     assert queue.read_many(read_first) == items[:read_first]
     queue.close()
+    return items, spans
+
+
+@pytest.mark.parametrize("read_first", [0, 7])
+def test_records_lost_with_a_missing_middle_segment_are_counted(tmp_path, read_first):
+    """A segment gone from between the read and write positions took its records: they are
+    counted as damage (in /stats and /metrics), not only logged; every other record is delivered."""
+    items, spans = written_and_read(tmp_path, read_first)
     files = sorted({span[0] for span in spans})
     assert len(files) >= 4
     middle = files[len(files) // 2]
@@ -257,16 +262,12 @@ def test_records_lost_with_a_missing_middle_segment_are_counted(tmp_path, read_f
     assert queue.statistics().corrupt_records_skipped == 0
     queue.close()
 
+
 @pytest.mark.parametrize("damage, read_first", [("deleted", 0), ("deleted", 7), ("cut short", 7)])
 def test_records_lost_with_the_read_segment_are_counted(tmp_path, damage, read_first):
     """The read segment gone, or cut below the read position, took its unread records: they were
     only logged; now counted as damage as for a segment missing further on."""
-    items = payloads(100)
-    spans = record_spans(tmp_path, items)
-    queue = open_queue(tmp_path)
-    queue.put_many(items)
-    assert queue.read_many(read_first) == items[:read_first]
-    queue.close()
+    items, spans = written_and_read(tmp_path, read_first)
     first = spans[0][0]
     in_first = sum(1 for span in spans if span[0] == first)
     if damage == "deleted":
