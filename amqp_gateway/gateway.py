@@ -338,7 +338,7 @@ class GatewayConnection:
                     self.stopped_short = self.stopped_short or consumer.stopped_short
                     if left <= 0 < start:
                         self._fill_next = (i + 1) % count
-        if self.stopped_short:
+        if self.stopped_short or left < start:  # a link may have more to send than the round took
             self.fill_due = True
 
     @property

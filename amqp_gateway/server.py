@@ -365,7 +365,6 @@ class Driver:
                         await self.stream.send_all(data)
                 finally:
                     engine.write_blocked = False
-                gateway.fill_due = True  # the round may have stopped at its byte limit
                 self._last_send = trio.current_time()
         finally:
             self._turn.give_back()
