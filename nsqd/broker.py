@@ -29,7 +29,7 @@ import json
 import os
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Generator
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -75,6 +75,9 @@ MIN_STEP_MESSAGES = 1024
 #: most channels a new topic takes from nsqlookupd: 110,000 names (900 KB) made as many disk
 #: queues, with the event loop held for 23 minutes
 LOOKUPD_CHANNELS = 1024
+#: topics and channels nsqd.dat's document takes a step while the daemon runs (10,000 channels in
+#: one go held the event loop for tens of milliseconds at every save)
+METADATA_STEP = 256
 
 
 class PublishError(Exception):
@@ -696,16 +699,47 @@ class Broker:
         log.info("imported Go nsqd queue", queue=queue_name, messages=imported)
 
     def metadata(self) -> dict:
+        """nsqd.dat's document, all at once (shutdown)."""
+        steps = self._metadata_steps()
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    async def metadata_paced(self) -> dict:
+        """nsqd.dat's document, other work running between steps of METADATA_STEP topics and channels."""
+        steps = self._metadata_steps()
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+            await trio.lowlevel.checkpoint()
+
+    def _metadata_steps(self) -> Generator[None, None, dict]:
+        """Builds the document on the event loop, which owns the topics and channels, into data of
+        its own (serialised and written in a worker thread); one gone between steps is left out."""
         topics = []
         default = policy.topic_document(self.default_policy)
+        taken = 0
         for topic in sorted(self.topics.values(), key=lambda t: t.name):
             if topic.ephemeral:
                 continue
-            channels = [
-                {"name": c.name, "paused": c.paused, **({"policy": c.overrides} if c.overrides else {})}
-                for c in sorted(topic.channels.values(), key=lambda c: c.name)
-                if not c.ephemeral
-            ]
+            channels = []
+            for channel in sorted(topic.channels.values(), key=lambda c: c.name):
+                taken += 1
+                if not taken % METADATA_STEP:
+                    yield
+                if channel.ephemeral or topic.channels.get(channel.name) is not channel:
+                    continue
+                channels.append({"name": channel.name, "paused": channel.paused,
+                                 **({"policy": dict(channel.overrides)} if channel.overrides else {})})
+            taken += 1
+            if not taken % METADATA_STEP:
+                yield
+            if self.topics.get(topic.name) is not topic:
+                continue
             changed = policy.overrides(policy.topic_document(topic.policy), default)
             topics.append({"channels": channels, "name": topic.name, "paused": topic.paused,
                            **({"policy": changed} if changed else {})})
@@ -727,16 +761,12 @@ class Broker:
                 if done.failed:
                     return
 
-    def metadata_bytes(self) -> bytes:
-        """nsqd.dat's contents now; read on the event loop, which owns the topics and channels."""
-        return json.dumps(self.metadata(), separators=(",", ":")).encode()
-
-    def save_metadata(self, data: bytes | None = None) -> None:
-        """Write ``data`` (default: the state now) as nsqd.dat, durably; may run in a worker thread."""
+    def save_metadata(self, document: dict | None = None) -> None:
+        """Write ``document`` (default: the state now) as nsqd.dat, durably; in a worker thread
+        only with a document built on the event loop (:meth:`metadata_paced`)."""
         path = self.data_path / METADATA_FILE
         tmp = path.with_name(f"{METADATA_FILE}.{os.getpid()}.tmp")
-        if data is None:
-            data = self.metadata_bytes()
+        data = json.dumps(self.metadata() if document is None else document, separators=(",", ":")).encode()
         try:
             with open(tmp, "wb") as f:
                 f.write(data)
@@ -862,7 +892,7 @@ class Broker:
             changes = self._metadata_changes
             done, self._metadata_save_done = self._metadata_save_done, _SaveDone()
             try:
-                await trio.to_thread.run_sync(self.save_metadata, self.metadata_bytes())
+                await trio.to_thread.run_sync(self.save_metadata, await self.metadata_paced())
             except OSError as exc:
                 self._storage_failed(f"cannot save {self.data_path / METADATA_FILE}: {exc}")
                 done.failed = True

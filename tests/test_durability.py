@@ -659,21 +659,41 @@ async def test_the_depth_after_a_crash_counts_a_batch_s_requeued_and_touched_mes
     assert b"diskq_depth_reconciled" not in daemon.proc.stderr.read()
 
 
-async def test_nsqd_dat_is_built_on_the_event_loop_that_owns_the_topics(tmp_path, monkeypatch):
+async def test_nsqd_dat_is_built_on_the_event_loop_that_owns_the_topics_a_step_at_a_time(tmp_path, monkeypatch):
     """A worker thread read the topics and channels to save them while the event loop changed
-    them: a torn document, or a dict changed during iteration. Now only the write is threaded."""
+    them: a torn document, or a dict changed during iteration. Now only the write is threaded,
+    and the document is built in steps: a topic or channel deleted meanwhile is left out."""
     import threading
 
-    from nsqd.broker import Broker
+    from nsqd import broker
 
+    monkeypatch.setattr(broker, "METADATA_STEP", 4)
     threads = []
-    metadata = Broker.metadata
-    monkeypatch.setattr(Broker, "metadata", lambda self: threads.append(threading.get_ident()) or metadata(self))
+    real_overrides = broker.policy.overrides
+    monkeypatch.setattr(broker.policy, "overrides",
+                        lambda *args: threads.append(threading.get_ident()) or real_overrides(*args))
     async with running_nsqd(tmp_path) as nsqd:
         for index in range(20):
-            nsqd.declare(f"t{index}", "c")
+            nsqd.declare(f"t{index:02}", "c")
+            nsqd.declare(f"t{index:02}", "d")
             nsqd.persist_metadata_soon()
             await nsqd.metadata_saved()
         assert threads and set(threads) == {threading.get_ident()}
+        steps, document = 0, None
+        building = nsqd.metadata_paced()
+        async with trio.open_nursery() as nursery:
+            async def build():
+                nonlocal document
+                document = await building
+
+            nursery.start_soon(build)
+            await trio.sleep(0)
+            await trio.sleep(0)  # a step or two taken
+            nsqd.delete_topic("t19")
+            nsqd.delete_channel(nsqd.topics["t18"], "d")
+        names = [topic["name"] for topic in document["topics"]]
+        assert names == [f"t{index:02}" for index in range(19)]
+        assert [c["name"] for c in document["topics"][-1]["channels"]] == ["c"]
+        assert document == nsqd.metadata()
     async with running_nsqd(tmp_path) as nsqd:
-        assert sorted(nsqd.topics) == sorted(f"t{index}" for index in range(20))
+        assert sorted(nsqd.topics) == [f"t{index:02}" for index in range(19)]
