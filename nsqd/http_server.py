@@ -662,14 +662,16 @@ def _refusal(event: h11.Request, max_head_size: int) -> Response | None:
         return error_response(400, "BAD_REQUEST")
     if BAD_ESCAPE.search(target.partition(b"?")[0]):  # Go's ParseRequestURI refuses it
         return error_response(400, "BAD_REQUEST")
-    hosts = 0
+    hosts = expects = 0
     for name, value in event.headers:  # Go's server refuses what it cannot meet, as RFC 9110 allows
         if name == b"host":
             hosts += 1
             if hosts > 1 or not HOST.fullmatch(value):
                 return error_response(400, "BAD_REQUEST")
-        elif name == b"expect" and b"100-continue" not in (t.strip() for t in value.lower().split(b",")):
-            return Response(417, [], b"")  # Go's server meets only 100-continue, wherever in the list
+        elif name == b"expect" and not expects:  # Go reads the first Expect header only
+            expects = 1
+            if b"100-continue" not in (t.strip() for t in value.lower().split(b",")):
+                return Response(417, [], b"")  # Go's server meets only 100-continue, wherever in the list
     return None
 
 

@@ -110,7 +110,8 @@ def _pieces(snapshot: stats.NSQDStats, clients: int, body_memory: tuple[int, int
             add(f'nsqd_topic_{name}{{topic="{t.topic_name}"}} {int(getattr(t, attr))}')
             if len(out) >= STEP_LINES:
                 yield _lines(out)
-        yield _lines(out)
+        if out:
+            yield _lines(out)
     for name, kind, help_text, attr in _CHANNEL:
         add(f"# HELP nsqd_channel_{name} {help_text}")
         add(f"# TYPE nsqd_channel_{name} {kind}")
@@ -121,7 +122,8 @@ def _pieces(snapshot: stats.NSQDStats, clients: int, body_memory: tuple[int, int
                     f"{int(getattr(c, attr))}")
                 if len(out) >= STEP_LINES:
                     yield _lines(out)
-        yield _lines(out)
+        if out:
+            yield _lines(out)
     add("# HELP nsqd_channel_e2e_processing_latency_seconds Publish-to-FIN latency quantiles.")
     add("# TYPE nsqd_channel_e2e_processing_latency_seconds gauge")
     for t in snapshot.topics:
