@@ -37,7 +37,7 @@ from pathlib import Path
 import structlog
 import trio
 
-from . import diskq, message, policy, tls
+from . import diskq, message, policy, steps, tls
 from .body_budget import BodyBudget
 from .channel import Channel, ChannelExiting
 from .diskq import goimport, naming
@@ -700,22 +700,11 @@ class Broker:
 
     def metadata(self) -> dict:
         """nsqd.dat's document, all at once (shutdown)."""
-        steps = self._metadata_steps()
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        return steps.run_whole(self._metadata_steps())
 
     async def metadata_paced(self) -> dict:
         """nsqd.dat's document, other work running between steps of METADATA_STEP topics and channels."""
-        steps = self._metadata_steps()
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
-            await trio.lowlevel.checkpoint()
+        return await steps.run_paced(self._metadata_steps())
 
     def _metadata_steps(self) -> Generator[None, None, dict]:
         """Builds the document on the event loop, which owns the topics and channels, into data of

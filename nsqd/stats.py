@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from . import e2e, gc_pauses
+from . import e2e, gc_pauses, steps
 from .client_v2 import STATE_INIT
 from .options import format_duration
 from .version import NSQD_VERSION, version_string
@@ -202,12 +202,7 @@ def snapshot(
     each with its publish counts for the requested topic only; a topic that
     does not exist leaves out the producers as well (nsqd's GetStats returns early).
     """
-    steps = _snapshot_steps(nsqd, topic, channel, include_clients, include_mem)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
+    return steps.run_whole(_snapshot_steps(nsqd, topic, channel, include_clients, include_mem))
 
 
 async def snapshot_paced(nsqd: Broker, **filters) -> NSQDStats:
@@ -215,14 +210,7 @@ async def snapshot_paced(nsqd: Broker, **filters) -> NSQDStats:
 
     A topic deleted meanwhile is left out.
     """
-    steps = _snapshot_steps(nsqd, **filters)
-    pacer = Pacer()
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
-        await pacer.step()
+    return await steps.run_paced(_snapshot_steps(nsqd, **filters), Pacer().step)
 
 
 def _snapshot_steps(

@@ -679,7 +679,7 @@ async def test_nsqd_dat_is_built_on_the_event_loop_that_owns_the_topics_a_step_a
             nsqd.persist_metadata_soon()
             await nsqd.metadata_saved()
         assert threads and set(threads) == {threading.get_ident()}
-        steps, document = 0, None
+        document = None
         building = nsqd.metadata_paced()
         async with trio.open_nursery() as nursery:
             async def build():
