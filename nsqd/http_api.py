@@ -164,6 +164,8 @@ class HTTPAPI:
         #: the auth queries under way, by the same key: requests that need the same answer share
         #: one query (at most one per connection is waiting, so this is bounded by the HTTP cap)
         self._auth_asking: dict[tuple[str, str, bool], _AuthQuery] = {}
+        #: the lookupd addresses were last set to JSON null, which Go's /config answers as null
+        self._lookupd_null = False
         # path -> method -> handler; /ping alone answers in plain text
         self.routes: dict[str, dict[str, Handler]] = {
             "/ping": {"GET": self.ping},
@@ -686,7 +688,9 @@ class HTTPAPI:
             if not body or len(body) > opts.max_msg_size:
                 raise HTTPError(413, "INVALID_VALUE")
             if opt == "nsqlookupd_tcp_addresses":
-                self.nsqd.set_option("lookupd_tcp_addresses", _lookupd_addresses(body))
+                addresses = _lookupd_addresses(body)
+                self.nsqd.set_option("lookupd_tcp_addresses", addresses or [])
+                self._lookupd_null = addresses is None
             elif opt == "log_level":
                 try:
                     self.nsqd.set_option("log_level", parse_log_level(body.decode()))
@@ -698,7 +702,7 @@ class HTTPAPI:
         data = opts.config_json(opt)
         if data is None:
             raise HTTPError(400, "INVALID_OPTION")
-        data = self._as_started(opt, data)
+        data = b"null" if opt == "nsqlookupd_tcp_addresses" and self._lookupd_null else self._as_started(opt, data)
         if isinstance(opts.config_value(opt), str):
             return text_body(data)
         return Body(data, JSON_TYPE)
@@ -717,12 +721,12 @@ class HTTPAPI:
         return data
 
 
-def _lookupd_addresses(body: bytes) -> list[str]:
-    """A JSON list of host:port strings (null clears it); anything else is INVALID_VALUE."""
+def _lookupd_addresses(body: bytes) -> list[str] | None:
+    """A JSON list of host:port strings, or None for null (none); anything else is INVALID_VALUE."""
     try:
         value = json.loads(body)
         if value is None:
-            return []
+            return None
         if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
             raise ValueError("not a list of strings")
         value = [go_json_text(address) for address in value]

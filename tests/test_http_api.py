@@ -714,6 +714,12 @@ async def test_config_put_lookupd_addresses(nsqd_server, http):
     assert (response.status, response.body) == (200, addresses)
     assert nsqd_server.options.lookupd_tcp_addresses == ["127.0.0.1:4160", "127.0.0.1:4162"]
     assert (await http.get("/config/nsqlookupd_tcp_addresses")).body == addresses
+    # null clears the list, and Go's answer is then null (its slice is nil), until set again
+    for body, answer in ((b"null", b"null"), (b"[]", b"[]"), (b"null", b"null"), (addresses, addresses)):
+        response = await http.put("/config/nsqlookupd_tcp_addresses", body)
+        assert (response.status, response.body) == (200, answer)
+        assert (await http.get("/config/nsqlookupd_tcp_addresses")).body == answer
+    assert nsqd_server.options.lookupd_tcp_addresses == ["127.0.0.1:4160", "127.0.0.1:4162"]
 
 
 @pytest.mark.parametrize("opt,body,status,message", [
