@@ -238,29 +238,35 @@ class Daemon:
              f"--data-path={data_path}", "--log-level=warn", *args],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         SPAWNED.append(self.proc)
+        #: the ports to wait for: TCP, and HTTP when given (its listener comes up after TCP's)
+        http = [arg.partition("=")[2] for arg in args if arg.startswith("--http-address=")]
+        self.ready_ports = [self.port] + ([int(http[-1].rpartition(":")[2])] if http and http[-1] else [])
 
     async def wait_ready(self) -> None:
         with trio.fail_after(20):
-            while True:
-                assert self.proc.poll() is None, self.proc.stderr.read().decode()
-                try:
-                    stream = await trio.open_tcp_stream("127.0.0.1", self.port)
-                except OSError:
-                    await trio.sleep(0.05)
-                    continue
-                await stream.aclose()
-                return
+            for port in self.ready_ports:
+                while True:
+                    assert self.proc.poll() is None, self.proc.stderr.read().decode()
+                    try:
+                        stream = await trio.open_tcp_stream("127.0.0.1", port)
+                    except OSError:
+                        await trio.sleep(0.05)
+                        continue
+                    await stream.aclose()
+                    break
 
     def wait_ready_sync(self, timeout: float = 20) -> None:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.proc.stderr.read().decode()
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise TimeoutError("daemon did not start")
+        for port in self.ready_ports:
+            while True:
+                assert self.proc.poll() is None, self.proc.stderr.read().decode()
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                except OSError:
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError("daemon did not start") from None
+                    time.sleep(0.05)
 
     async def stop(self, sig=signal.SIGTERM) -> int:
         self.proc.send_signal(sig)
