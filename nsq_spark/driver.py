@@ -24,7 +24,10 @@ starts draining still takes their ``LFIN``.
 
 A background thread touches the leases of batches that are not acknowledged
 yet (a batch may run longer than the message timeout) and keeps the driver's
-idle connections answering heartbeats.
+idle connections answering heartbeats. When a settling connection is lost,
+the batches acknowledged in the minute before are finished again on the next
+one: a durable daemon that crashed brings back the leases its last
+checkpoint saw, finished since or not.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from __future__ import annotations
 import logging
 import struct
 import threading
+import time
+from collections import deque
 
 from .client import FRAME_MESSAGE, Backoff, Connection, ConnectionLost, retrying
 from .leases import lease_base, lease_consumer, lease_reply, open_lease, settle, unexpected
@@ -42,6 +47,10 @@ log = logging.getLogger("nsq_spark")
 _TIMESTAMP = struct.Struct(">q")
 #: how long a probe that opens a new lease waits for a message before it says there is none (for now)
 PROBE_WAIT = 0.05
+#: batches acknowledged this long before a settling connection is lost are finished again on the next
+#: one (a durable daemon that crashed brings back the leases its last checkpoint saw), at most so many
+REFINISH_SECONDS = 60.0
+REFINISH_BATCHES = 64
 
 
 class Probe:
@@ -169,6 +178,10 @@ class LeaseDriver:
         #: batches this process planned from fresh data (any other batch is a replay)
         self._fresh: set[int] = set()
         self._acked_through = 0
+        #: (time.monotonic(), batch) of the batches acknowledged lately, newest last
+        self._finished: deque[tuple[float, int]] = deque(maxlen=REFINISH_BATCHES)
+        #: per address whose settling connection was lost: the batches to finish again once connected
+        self._refinish: dict[str, list[int]] = {}
         self._stop = threading.Event()
         interval = min(max(opts.msg_timeout_ms / 4000, 0.25), 10.0)
         self._thread = threading.Thread(target=self._keep, args=(interval,), name="nsq-lease-keeper", daemon=True)
@@ -217,6 +230,7 @@ class LeaseDriver:
                 self._settle(b, "LFIN", retry=True)
                 self._pending.discard(b)
                 self._fresh.discard(b)
+                self._finished.append((time.monotonic(), b))
             self._acked_through = batch
 
     def close(self) -> None:
@@ -227,7 +241,7 @@ class LeaseDriver:
             for probe in self._probes:
                 probe.close()
             for address in list(self._control):
-                self._drop_control(address)
+                self._drop_control(address, lost=False)
 
     # ------------------------------------------------------------ internals
     def _settle(self, batch: int, verb: str, retry: bool) -> None:
@@ -247,7 +261,23 @@ class LeaseDriver:
             opts = self.opts
             conn = self._control[address] = lease_consumer(address, opts.topic, opts.channel, opts.msg_timeout_ms,
                                                            opts.max_in_flight)
+            if address in self._refinish:
+                self._finish_again(address, conn)
         return conn
+
+    def _finish_again(self, address: str, conn: Connection) -> None:
+        """``LFIN`` again, on a new settling connection, the batches acknowledged shortly before the
+        last one was lost: a durable daemon that crashed brings back the leases its last checkpoint
+        saw, and their messages would be delivered again once those leases expired (settling twice
+        is harmless)."""
+        addresses = self.opts.addresses
+        mine = [p for p in range(self.opts.num_partitions) if addresses[p % len(addresses)] == address]
+        finished = 0
+        for batch in self._refinish[address]:
+            finished += sum(settle(conn, lease_base(self.run, batch, p), "LFIN") for p in mine)
+        del self._refinish[address]
+        if finished:
+            log.info("nsqd %s brought back %d messages of finished batches: finished again", address, finished)
 
     def _open_control(self, address: str) -> None:
         """Open the settling connection ahead of need, if the daemon can be reached now."""
@@ -261,10 +291,15 @@ class LeaseDriver:
         else:
             backoff.succeeded()
 
-    def _drop_control(self, address: str) -> None:
+    def _drop_control(self, address: str, lost: bool = True) -> None:
         conn = self._control.pop(address, None)
         if conn is not None:
             conn.close()
+            if lost:
+                since = time.monotonic() - REFINISH_SECONDS
+                recent = [batch for at, batch in self._finished if at >= since]
+                if recent:
+                    self._refinish[address] = sorted(set(self._refinish.get(address, [])) | set(recent))
 
     def _keep(self, interval: float) -> None:
         while not self._stop.wait(interval):

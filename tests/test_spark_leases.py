@@ -465,6 +465,39 @@ def test_a_read_survives_a_crash_of_a_durable_daemon_with_its_segments(tmp_path)
         durable.stop(signal.SIGKILL)
 
 
+def batch_bodies(opts, batch, run="run"):
+    """The bodies a first read of every partition of ``batch`` gets."""
+    return [b for p in partitions_for(opts, run, batch, replay=False)
+            for part in read_partition(opts, p) for b in part.column("body").to_pylist()]
+
+
+def test_a_durable_daemon_that_crashed_gets_the_leases_of_batches_finished_just_before_finished_again(tmp_path):
+    """LFINs since the daemon's last checkpoint are lost with a crash: the leases came back, in
+    flight for nobody, and their messages were delivered again (attempts 2) once they expired."""
+    durable = RestartableDaemon(tmp_path / "nsqd", "--durable", "--sync-timeout=3s")
+    try:
+        addr = address(durable)
+        opts = ReadOptions.parse({"nsqd.address": addr, "topic": "rf", "channel": "c", "maxInFlight": "40"})
+        publish(addr, "rf", bodies(100))
+        driver = LeaseDriver(opts, "run")
+        try:  # a batch read and acknowledged after a checkpoint, then a crash at once
+            assert driver.new_data(1) and sorted(batch_bodies(opts, 1)) == bodies(100)
+            time.sleep(3.5)  # past a checkpoint: the leases are on disk
+            driver.acknowledge(1)
+            durable.stop(signal.SIGKILL)  # before the next one: the LFINs are not
+            durable.start()
+            publish(addr, "rf", [b"next"])
+            assert wait_for(lambda: driver.new_data(2), 10, 0.1)
+            assert batch_bodies(opts, 2) == [b"next"]
+            driver.acknowledge(2)  # on a new settling connection: batch 1 is finished again first
+        finally:
+            driver.close()
+        stats = durable.channel_stats("rf", "c")
+        assert (stats["in_flight_count"], stats["depth"]) == (0, 0)
+    finally:
+        durable.stop(signal.SIGKILL)
+
+
 def test_the_driver_waits_for_a_daemon_that_is_away(restartable):
     addr = address(restartable)
     opts = ReadOptions.parse({"nsqd.address": addr, "topic": "r4", "channel": "c", "reconnectTimeout": "30s"})
