@@ -97,17 +97,22 @@ async def test_lreq_requeues_the_whole_lease(tmp_path):
         assert [m.attempts for m in again] == [2, 2, 2, 1]
 
 
+async def first_of_two_under(nsqd, lease: str, *, msg_timeout: int, bodies: list[bytes]):
+    """A lease consumer of t/c that published ``bodies`` and took the first under ``lease`` (RDY 1)."""
+    conn = await lease_consumer(nsqd, msg_timeout=msg_timeout)
+    await conn.mpub("t", bodies)
+    await lease_command(conn, f"LEASE {lease}")
+    await conn.command("RDY 1")
+    return conn, await conn.read_message()
+
+
 @pytest.mark.parametrize("end", ["LFIN", "LREQ", "timeout"])
 async def test_a_connection_whose_current_lease_ended_receives_nothing_until_its_next_lease(tmp_path, end):
     """docs/leases.md: after LFIN or LREQ (or its messages timing out) the lease is gone, and its
     connection receives nothing more until another LEASE: untagged deliveries would reach a
     reader that files every message under a lease."""
     async with running_nsqd(tmp_path, queue_scan_interval=0.02) as nsqd:
-        conn = await lease_consumer(nsqd, msg_timeout=1000)
-        await conn.mpub("t", [b"a", b"b"])
-        await lease_command(conn, "LEASE cur")
-        await conn.command("RDY 1")
-        first = await conn.read_message()
+        conn, first = await first_of_two_under(nsqd, "cur", msg_timeout=1000, bodies=[b"a", b"b"])
         if end == "timeout":
             channel = nsqd.topics["t"].channels["c"]
             with trio.fail_after(5):
@@ -207,11 +212,7 @@ async def test_a_lease_message_that_timed_out_comes_back_to_its_holder_at_once(t
     has room again: it gets the message back at the next queue scan, not once the second
     times out too (the lease empties) or something else wakes it."""
     async with running_nsqd(tmp_path, queue_scan_interval=0.02) as nsqd:
-        holder = await lease_consumer(nsqd, msg_timeout=2000)
-        await holder.mpub("t", [b"0", b"1"])
-        await lease_command(holder, "LEASE L")
-        await holder.command("RDY 1")
-        first = await holder.read_message()
+        holder, first = await first_of_two_under(nsqd, "L", msg_timeout=2000, bodies=[b"0", b"1"])
         await trio.sleep(1.5)
         await holder.command("RDY 2")
         second = await holder.read_message()
