@@ -341,7 +341,7 @@ class _Connection:
         self.raw_stream = stream
         self.stream: trio.abc.Stream = stream
         self.remote = peer_address(stream)
-        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_head_size)
+        self.h11 = self._new_h11()
         self._scope = trio.CancelScope()
         #: outside ``_scope``: keeps the server's stop from cutting off a request being answered
         #: (``stop`` gives it a deadline instead)
@@ -443,18 +443,33 @@ class _Connection:
             if request.method == b"POST":
                 self._skip_stray_line_ends()
 
+    def _new_h11(self) -> h11.Connection:
+        return h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_head_size)
+
     def _skip_stray_line_ends(self) -> None:
-        """Drop up to STRAY_LINE_ENDS CR or LF bytes after a POST's body: those already buffered
-        now (h11 would refuse them as an empty request line), those still to come as they arrive."""
+        """Drop up to STRAY_LINE_ENDS CR or LF bytes after a POST's body (h11 would refuse them as
+        an empty request line): those h11 holds already go through :meth:`_feed` again, into a
+        fresh h11 connection, as those still to come will."""
         data, closed = self.h11.trailing_data
-        skip = _leading_line_ends(data[:STRAY_LINE_ENDS])
-        self._stray_allowed = STRAY_LINE_ENDS - skip if skip == len(data) and not closed else 0
-        if skip:
-            self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_head_size)
-            if data[skip:]:
-                self.h11.receive_data(data[skip:])
+        self._stray_allowed = STRAY_LINE_ENDS
+        if data[:1] in (b"\r", b"\n"):
+            self.h11 = self._new_h11()
+            self._feed(data)
             if closed:
                 self.h11.receive_data(b"")
+        elif data or closed:
+            self._stray_allowed = 0
+
+    def _feed(self, data: bytes) -> bool:
+        """Hand received bytes to h11, less the stray line ends still allowed; False if none are left."""
+        if self._stray_allowed and data:
+            skip = _leading_line_ends(data[:self._stray_allowed])
+            self._stray_allowed = self._stray_allowed - skip if skip == len(data) else 0
+            data = data[skip:]
+            if not data:
+                return False
+        self.h11.receive_data(data)
+        return True
 
     def _set_deadline(self, phase: str, deadline: float) -> None:
         self._phase = phase
@@ -501,14 +516,8 @@ class _Connection:
                         self._set_deadline("head", head_deadline)
                     else:
                         self._set_deadline("idle", min(head_deadline, start + limits.idle_timeout))
-                    data = await self.stream.receive_some(RECEIVE_SIZE)
-                    if self._stray_allowed and data:
-                        skip = _leading_line_ends(data[:self._stray_allowed])
-                        self._stray_allowed = self._stray_allowed - skip if skip == len(data) else 0
-                        data = data[skip:]
-                        if not data:
-                            continue
-                    conn.receive_data(data)
+                    if not self._feed(await self.stream.receive_some(RECEIVE_SIZE)):
+                        continue  # stray line ends only
                     started = True
                 elif type(event) is h11.Request:
                     self._set_deadline("app", math.inf)
