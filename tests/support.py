@@ -238,9 +238,12 @@ class Daemon:
              f"--data-path={data_path}", "--log-level=warn", *args],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         SPAWNED.append(self.proc)
-        #: the ports to wait for: TCP, and HTTP when given (its listener comes up after TCP's)
-        http = [arg.partition("=")[2] for arg in args if arg.startswith("--http-address=")]
-        self.ready_ports = [self.port] + ([int(http[-1].rpartition(":")[2])] if http and http[-1] else [])
+        #: the ports to wait for: TCP, and HTTP and AMQP when given (their listeners come up after TCP's)
+        self.ready_ports = [self.port]
+        for flag in ("--http-address=", "--amqp-address="):
+            given = [arg[len(flag):] for arg in args if arg.startswith(flag)]
+            if given and given[-1]:
+                self.ready_ports.append(int(given[-1].rpartition(":")[2]))
 
     async def wait_ready(self) -> None:
         with trio.fail_after(20):
