@@ -300,19 +300,22 @@ class HTTPServer:
             self._refusal_logged_at = now
 
     def serialise(self, conn: h11.Connection, response: Response, *, close: bool = False,
-                  head_only: bool = False) -> bytes:
+                  head_only: bool = False, keep_alive_1_0: bool = False) -> bytes:
         """The response's bytes; ``close`` asks the client to close (h11 adds it where HTTP needs it).
 
         Header names are written as Go's net/http writes them (``Content-Type``).
+        ``keep_alive_1_0``: the HTTP/1.0 request asked for ``Connection: keep-alive``,
+        and unless ``close``, the answer says it is kept, as Go's does.
         """
         headers = [*response.headers, (b"Content-Length", b"%d" % len(response.body)), (b"Date", self.date())]
         if close:
             headers.append((b"Connection", b"close"))
         data = conn.send(h11.Response(status_code=response.status, headers=headers,
                                       reason=_REASONS.get(response.status, b"")))
-        if conn.their_http_version == b"1.0":  # Go's net/http answers in the request's version, and
-            data = b"HTTP/1.0" + data[8:].replace(b"\r\nConnection: close\r\n", b"\r\n", 1)  # a 1.0 peer
-            # closes anyway: Go writes Connection only to HTTP/1.1 peers
+        if conn.their_http_version == b"1.0":  # Go's net/http answers in the request's version; to
+            # a 1.0 peer it writes Connection only to keep the connection (h11 always closes it)
+            kept = b"\r\nConnection: keep-alive\r\n" if keep_alive_1_0 and not close else b"\r\n"
+            data = b"HTTP/1.0" + data[8:].replace(b"\r\nConnection: close\r\n", kept, 1)
         if response.body and not head_only:
             data += conn.send(h11.Data(data=response.body))
         return data + conn.send(h11.EndOfMessage())
@@ -356,6 +359,8 @@ class _Connection:
         self._linger = False  # the client may still be sending when we close
         self._body_deadline = 0.0
         self._peer_closed = False
+        #: the last answer kept an HTTP/1.0 connection open (its request asked for keep-alive)
+        self._kept_1_0 = False
         #: how many more CR or LF bytes may be skipped before the next request line (after a POST)
         self._stray_allowed = 0
         #: the request body's chunks (chunked bodies) and bytes so far, and events since a turn was given
@@ -436,15 +441,29 @@ class _Connection:
                 raise
         while True:
             request = await self._read_head()
-            if (request is None or not await self._answer(request) or self.h11.our_state is h11.MUST_CLOSE
-                    or self._stopping):
+            if request is None or not await self._answer(request) or self._stopping:
                 return
-            self.h11.start_next_cycle()
+            if self.h11.our_state is not h11.MUST_CLOSE:
+                self.h11.start_next_cycle()
+            elif self._kept_1_0:
+                self._renew_h11()
+            else:
+                return
             if request.method == b"POST":
                 self._skip_stray_line_ends()
 
     def _new_h11(self) -> h11.Connection:
         return h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_head_size)
+
+    def _renew_h11(self) -> None:
+        """A fresh h11 connection for the next request of a kept HTTP/1.0 connection (h11 has
+        none: it closes every HTTP/1.0 connection), holding what the client already sent."""
+        data, closed = self.h11.trailing_data
+        self.h11 = self._new_h11()
+        if data:
+            self.h11.receive_data(data)
+        if closed:
+            self.h11.receive_data(b"")
 
     def _skip_stray_line_ends(self) -> None:
         """Drop up to STRAY_LINE_ENDS CR or LF bytes after a POST's body (h11 would refuse them as
@@ -536,9 +555,14 @@ class _Connection:
     async def _answer(self, event: h11.Request) -> bool:
         """Call the app and send its answer; False when the connection is to be dropped."""
         target = event.target
+        self._kept_1_0 = False
+        keep_alive_1_0 = event.http_version == b"1.0" and _asks_keep_alive(event.headers)
         if target == b"*" and event.method == b"OPTIONS":  # about the server itself: Go's answers it
             response = Response(200, [], b"")
-            await self._send(self.server.serialise(self.h11, response, close=not self._body_complete()))
+            complete = self._body_complete()
+            await self._send(self.server.serialise(self.h11, response, close=not complete,
+                                                   keep_alive_1_0=keep_alive_1_0))
+            self._kept_1_0 = keep_alive_1_0 and complete
             return True
         if target[:1] != b"/":  # absolute form (as proxies send it): its path, as Go's router takes it
             authority = target.partition(b"://")[2]
@@ -571,8 +595,10 @@ class _Connection:
             return False
         complete = self._body_complete()
         self._linger = not complete
-        await self._send(self.server.serialise(self.h11, response, close=not complete or self._stopping,
-                                               head_only=event.method == b"HEAD"))
+        close = not complete or self._stopping
+        await self._send(self.server.serialise(self.h11, response, close=close, head_only=event.method == b"HEAD",
+                                               keep_alive_1_0=keep_alive_1_0))
+        self._kept_1_0 = keep_alive_1_0 and not close
         return True
 
     def _body_complete(self) -> bool:
@@ -682,6 +708,12 @@ def _refusal(event: h11.Request, max_head_size: int) -> Response | None:
             if b"100-continue" not in (t.strip() for t in value.lower().split(b",")):
                 return Response(417, [], b"")  # Go's server meets only 100-continue, wherever in the list
     return None
+
+
+def _asks_keep_alive(headers) -> bool:
+    """Whether a ``Connection`` header lists ``keep-alive`` (Go's ``wantsHttp10KeepAlive``)."""
+    return any(name == b"connection" and b"keep-alive" in (token.strip().lower() for token in value.split(b","))
+               for name, value in headers)
 
 
 def _leading_line_ends(data: bytes) -> int:

@@ -617,6 +617,39 @@ async def test_http_1_0_is_answered_and_closed(daemon):
     assert topic_depth(daemon, "t") == 1
 
 
+async def test_http_1_0_keep_alive_is_kept_as_gos(daemon):
+    """ab -k's requests: HTTP/1.0 asking for keep-alive (Go keeps such a connection when the answer
+    has a length, and says so); pipelined ones are answered in turn."""
+    client = await Raw.open(http_port(daemon))
+    await client.send(b"POST /pub?topic=t HTTP/1.0\r\nConnection: Keep-Alive\r\nContent-Length: 3\r\n\r\none"
+                      b"GET /nope HTTP/1.0\r\nConnection: close, keep-alive\r\n\r\n")
+    with trio.fail_after(5):
+        while not client.buf.startswith(b"HTTP/1.0 200 OK\r\n"):
+            assert await client._fill(), bytes(client.buf)
+    first = await client.response()
+    assert first.body == b"OK" and first.headers["connection"] == "keep-alive"
+    second = await client.response()
+    assert second.status == 404 and second.headers["connection"] == "keep-alive"
+    await client.send(b"POST /pub?topic=t HTTP/1.0\r\nConnection: keep-alive\r\nContent-Length: 3\r\n\r\n")
+    await client.send(b"two\r\n\r\nGET /ping HTTP/1.0\r\n\r\n")  # stray line ends after a POST body too
+    assert (await client.response()).body == b"OK"
+    last = await client.response()  # no keep-alive asked: answered and closed, as before
+    assert last.body == b"OK" and "connection" not in last.headers
+    assert await client.closed()
+    assert topic_depth(daemon, "t") == 2
+
+
+async def test_http_1_0_keep_alive_closes_after_an_answer_that_must(daemon):
+    client = await Raw.open(http_port(daemon))
+    await client.send(b"POST /pub HTTP/1.0\r\nConnection: keep-alive\r\nContent-Length: 3\r\n\r\nabc")
+    response = await client.response()
+    assert response.status == 400 and response.headers["connection"] == "keep-alive"  # a normal answer
+    await client.send(b"POST /pub?topic=t HTTP/1.0\r\nConnection: keep-alive\r\nContent-Length: 9999999999\r\n\r\n")
+    refused = await client.response()
+    assert refused.status == 413 and "connection" not in refused.headers
+    assert await client.closed()
+
+
 @pytest.mark.parametrize("head", [
     b"GET ping HTTP/1.1\r\nHost: x\r\n\r\n",            # neither a path, * nor an absolute URI
     b"GET 1http://x/ping HTTP/1.1\r\nHost: x\r\n\r\n",   # a scheme starts with a letter
