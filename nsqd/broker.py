@@ -1123,12 +1123,17 @@ class Broker:
 
 
 def _write_steps(backend: diskq.DiskQueue, records: list[bytes], step: int = 256) -> int:
-    """Write records in steps; returns how many were written before the disk refused."""
+    """Write records in steps; returns how many were written before the disk refused.
+
+    A step the disk refuses is tried again record by record, to keep what
+    still fits; so is one that ran out of memory (the daemon may be stopping
+    because it is near its limit), rather than giving up every queue.
+    """
     written = 0
     while written < len(records):
         try:
             backend.put_many(records[written:written + step])
-        except diskq.DiskQueueError:
+        except (diskq.DiskQueueError, MemoryError):
             if step > 1:
                 step = 1  # squeeze in what still fits, one by one
                 continue

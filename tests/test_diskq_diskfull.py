@@ -260,3 +260,37 @@ def test_a_checkpoint_write_cut_short_puts_the_last_document_back(tmp_path, monk
     with pytest.raises(OSError):
         checkpoint.save(longer)
     assert load_metadata(path) == first
+
+
+def test_a_batch_written_in_parts_is_still_all_or_nothing(tmp_path, monkeypatch):
+    """A batch over WRITE_STEP_BYTES is joined a part at a time; a part refused after others were
+    written (here in another segment) takes the whole batch back."""
+    real_pwrite = writer_module.pwrite
+    sizes = []
+    refuse_at = [0]  # refuse the write with this number (0: none)
+
+    def counted(fd, data, offset):
+        sizes.append(len(data))
+        if len(sizes) == refuse_at[0]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_pwrite(fd, data, offset)
+
+    queue = DiskQueue("q", tmp_path, max_bytes_per_file=6 << 20)
+    queue.put(b"before")
+    batch = [b"%04d" % n + b"b" * (100_000 - 4) for n in range(120)]  # 12 MB: 3 parts, 2 segments
+    monkeypatch.setattr(writer_module, "pwrite", counted)
+    positions = queue.put_positioned(batch)
+    assert max(sizes) <= writer_module.WRITE_STEP_BYTES and len(sizes) >= 3
+    assert queue.read_at([positions[0], positions[-1]]) == [batch[0], batch[-1]]
+    sizes.clear()
+    refuse_at[0] = 3  # the next batch's second part, after its first filled a segment and began one
+    with pytest.raises(DiskQueueWriteError, match="No space left"):
+        queue.put_many([b"%04d" % n + b"r" * (100_000 - 4) for n in range(120)])
+    assert queue.depth == 1 + len(batch)
+    monkeypatch.undo()
+    queue.put(b"after")
+    queue.close()
+    queue = DiskQueue("q", tmp_path, max_bytes_per_file=6 << 20)
+    assert drain(queue) == [b"before", *batch, b"after"]
+    assert queue.statistics().corrupt_records_skipped == 0
+    queue.close()

@@ -28,6 +28,9 @@ from .records import RECORD_HEADER_SIZE, SEGMENT_HEADER_SIZE, encode_record, enc
 
 #: how far ahead of a busy segment's end its blocks are reserved (the first this many bytes are not)
 RESERVE_AHEAD = 4 << 20
+#: the most bytes one write joins into a buffer: a bigger batch (256 messages of 1 MB kept at
+#: shutdown, 1,000 taken over from Go nsqd) is written in parts, still all or nothing
+WRITE_STEP_BYTES = 4 << 20
 
 
 class SegmentWriter:
@@ -54,6 +57,8 @@ class SegmentWriter:
 
         Raises OSError after rolling the batch back.
         """
+        if size > WRITE_STEP_BYTES and len(payloads) > 1:
+            return self._write_parts(payloads, want_positions)
         start = self.end or SEGMENT_HEADER_SIZE
         if start + size > self._max_bytes and (self.end > SEGMENT_HEADER_SIZE or len(payloads) > 1):
             return self._write_rotating(payloads, want_positions)
@@ -71,6 +76,32 @@ class SegmentWriter:
         positions = list(accumulate(sizes, initial=position(self.segment, start)))
         positions.pop()
         return positions
+
+    def _write_parts(self, payloads: Sequence[bytes], want_positions: bool) -> list[int] | None:
+        """A batch over WRITE_STEP_BYTES, a part at a time: memory for one part, not the whole.
+
+        A part that fails is rolled back by its own write; then the parts
+        before it are cut (the descriptors they retired are left to the next
+        sync to close, as for any rollback: a sync in flight may hold one).
+        """
+        segment, end = self.segment, self.end
+        positions: list[int] = []
+        first = 0
+        try:
+            while first < len(payloads):
+                last, size = first + 1, RECORD_HEADER_SIZE + len(payloads[first])
+                while last < len(payloads) and size + RECORD_HEADER_SIZE + len(payloads[last]) <= WRITE_STEP_BYTES:
+                    size += RECORD_HEADER_SIZE + len(payloads[last])
+                    last += 1
+                written = self.write(payloads[first:last], size, want_positions)
+                if written is not None:
+                    positions += written
+                first = last
+        except OSError:
+            if (self.segment, self.end) != (segment, end):
+                self.rollback(segment, end)
+            raise
+        return positions if want_positions else None
 
     def _write_rotating(self, payloads: Sequence[bytes], want_positions: bool) -> list[int] | None:
         """Slow path: the batch crosses a segment boundary; place record by record.
