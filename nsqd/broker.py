@@ -282,6 +282,9 @@ class Broker:
         self._backend_ended = trio.lowlevel.ParkingLot()
         self._backlog: deque[Topic] = deque()
         self._backlog_lot = trio.lowlevel.ParkingLot()
+        #: channels whose disk queue could not be read: their consumers are woken again after a pause
+        self._unreadable: dict[Channel, None] = {}
+        self._unreadable_lot = trio.lowlevel.ParkingLot()
         self._metadata_dirty = trio.Event()
         #: changes asked to be saved so far, and how many of them the last finished save held
         self._metadata_changes = 0
@@ -477,6 +480,7 @@ class Broker:
                 e2e=e2e,
                 disk_full=self._disk_full if opts.max_disk_bytes else (lambda: False),
                 storage_failed=self._storage_failed,
+                channel_read_failed=self._channel_read_failed,
             )
             self.topics[name] = topic
             log.info("TOPIC created", topic=name)
@@ -947,6 +951,22 @@ class Broker:
                 self._backlog.append(topic)
             await trio.sleep(0)
 
+    def _channel_read_failed(self, channel: Channel) -> None:
+        self._unreadable[channel] = None
+        self._unreadable_lot.unpark_all()
+
+    async def _read_retrier(self) -> None:
+        """Wake, ``STORAGE_RETRY`` after a read of their disk queue failed, the consumers of those
+        channels: they asked for messages that are on disk, and nothing else may wake them."""
+        while True:
+            while not self._unreadable:
+                await self._unreadable_lot.park()
+            await trio.sleep(STORAGE_RETRY)
+            channels, self._unreadable = self._unreadable, {}
+            for channel in channels:
+                if not channel.exiting:
+                    channel.wake_all()
+
     async def drain(self) -> None:
         """Graceful drain: no new publishes, subscriptions or deliveries; consumers get
         ``--shutdown-grace`` to finish what they hold, or until none has settled anything for
@@ -1100,6 +1120,7 @@ class Broker:
                     async with trio.open_nursery() as core:
                         core.start_soon(queue_scan_loop, self)
                         core.start_soon(self._backlog_mover)
+                        core.start_soon(self._read_retrier)
                         core.start_soon(self._metadata_writer)
                         core.start_soon(self._topic_starter)
                         for topic in self.topics.values():

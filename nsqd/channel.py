@@ -127,6 +127,7 @@ class Channel:
         dead_letter: Callable[[list[bytes]], bool] | None = None,
         e2e: LatencyWindow | None = None,
         on_last_consumer_gone: Callable[[Channel], None] | None = None,
+        on_read_failed: Callable[[Channel], None] = lambda channel: None,
     ) -> None:
         self.topic_name = topic_name
         self.name = name
@@ -149,6 +150,9 @@ class Channel:
         self.on_room: Callable[[], None] | None = None
         self.subscriptions: dict[int, Subscription] = {}
         self._on_last_consumer_gone = on_last_consumer_gone
+        #: a read of the disk queue failed (out of descriptors, say): its hungry consumers must be
+        #: woken to try again later, since no publish may come to wake them
+        self._on_read_failed = on_read_failed
         self._chunks: deque[Piece] = deque()
         self._head = 0
         self._mem_count = 0
@@ -610,6 +614,7 @@ class Channel:
         except DiskQueueError as exc:
             log.error("cannot read the channel's disk queue", channel=self.name, topic=self.topic_name,
                       error=str(exc))
+            self._on_read_failed(self)
             return 0, 0
         if not self._notes and set(map(_KIND, payloads)) <= _PLAIN:  # frames as stored: used as they are
             if payloads:

@@ -100,6 +100,7 @@ class Topic:
         e2e: tuple[int, list[float]] | None = None,
         disk_full: Callable[[], bool] = lambda: False,
         storage_failed: Callable[[str], None] = lambda error: None,
+        channel_read_failed: Callable[[Channel], None] = lambda channel: None,
     ) -> None:
         self.name = name
         self.ephemeral = name.endswith("#ephemeral")
@@ -124,6 +125,7 @@ class Topic:
         self._disk_full = disk_full
         #: a write of the channels' copies failed (the daemon's health: /ping says NOK)
         self._storage_failed = storage_failed
+        self._channel_read_failed = channel_read_failed
         # backlog kept while there is no channel or the topic is paused
         self._chunks: deque[tuple[list[bytes], list[bytes], int]] = deque()
         self._mem_count = 0
@@ -179,6 +181,7 @@ class Topic:
                 dead_letter=self._dead_letter,
                 e2e=e2e,
                 on_last_consumer_gone=self._ephemeral_channel_gone,
+                on_read_failed=self._channel_read_failed,
             )
             self.channels[name] = channel
             self._on_channels_changed(self)
@@ -403,8 +406,9 @@ class Topic:
         if self.backend is not None:
             try:
                 payloads, positions = self.backend.read_positioned(BACKLOG_STEP, BACKLOG_STEP_BYTES)
-            except DiskQueueError as exc:
+            except DiskQueueError as exc:  # out of descriptors, say: tried again after a pause
                 log.error("cannot read the topic's disk queue", topic=self.name, error=str(exc))
+                self.stalled = True
                 return False, []
             for payload, pos in zip(payloads, positions):
                 try:

@@ -8,6 +8,8 @@ fails the tests are skipped with that reason.
 from __future__ import annotations
 
 import json
+import os
+import resource
 import signal
 import subprocess
 
@@ -429,3 +431,50 @@ async def test_a_big_mpub_the_disk_refuses_part_way_says_how_much_it_stored(smal
         assert (await conn.read_message()).body.startswith(b"000000.")
     finally:
         assert await daemon.stop() == 0
+
+
+def _hold_descriptors(pid: int) -> tuple[int, int]:
+    """Let the process open no more files (its lowest free descriptor becomes its limit); the old limit."""
+    open_fds = {int(name) for name in os.listdir(f"/proc/{pid}/fd")}
+    lowest_free = next(fd for fd in range(len(open_fds) + 1) if fd not in open_fds)
+    old = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (lowest_free, old[1]))
+    return old
+
+
+@pytest.mark.parametrize("where", ["channel", "topic"])
+async def test_a_disk_queue_that_cannot_be_read_for_a_while_is_read_again(tmp_path, where):
+    """Out of descriptors, a read of the disk queue fails; its consumer, who asked for those
+    messages, gets them once descriptors are free again (before, it waited for a publish)."""
+    daemon = Daemon(tmp_path, "--mem-queue-size=0", "--log-level=error")
+    await daemon.wait_ready()
+    try:
+        publisher = await NSQConnection.open(daemon.port)
+        if where == "channel":
+            await publisher.command("SUB t c")  # the channel exists: the messages go to its disk queue
+            await publisher.expect_response()
+        await publisher.mpub("t", [b"m%d" % i for i in range(10)])
+        consumer = await NSQConnection.open(daemon.port)
+        if where == "channel":
+            await consumer.command("SUB t c")
+            await consumer.expect_response()
+        await trio.sleep(0.2)
+        old = _hold_descriptors(daemon.proc.pid)
+        if where == "topic":  # the new channel takes the topic's backlog, read from its disk queue
+            await consumer.command("SUB t c")
+            await consumer.expect_response()
+        await consumer.command("RDY 10")
+        with trio.move_on_after(1):
+            frame = await consumer.read_non_heartbeat(timeout=1)
+            pytest.fail(f"a frame came while the daemon could open no file: {frame}")
+        resource.prlimit(daemon.proc.pid, resource.RLIMIT_NOFILE, old)
+        got = set()
+        with trio.fail_after(10):
+            while len(got) < 10:
+                msg = await consumer.read_message(timeout=10)
+                got.add(msg.body)
+                await consumer.command(b"FIN " + msg.id)
+        assert got == {b"m%d" % i for i in range(10)}
+    finally:
+        await daemon.stop()
+    assert "cannot read the %s's disk queue" % where in daemon.proc.stderr.read().decode()
