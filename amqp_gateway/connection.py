@@ -486,6 +486,14 @@ class Connection:
             raise ConnectionFault(ILLEGAL_STATE, f"frame on channel {channel} without a session")
         return None if session.end_sent else session
 
+    def forget_sessions(self) -> None:
+        """The connection is over: drop its sessions and their links, which point back at them and
+        at this connection (cycles a full collection would otherwise have to find)."""
+        for session in self.sessions.values():
+            session.forget_links()
+        self.sessions.clear()
+        self._remote_sessions.clear()
+
     def _on_open(self, open_: Open, events: list) -> None:
         if self.open_received:
             raise ConnectionFault(ILLEGAL_STATE, "second open")

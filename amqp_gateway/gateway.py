@@ -299,8 +299,9 @@ class GatewayConnection:
 
     def _forget(self, link: Link) -> None:
         consumer = self.consumers.pop(link, None)
-        if consumer is not None:
-            consumer.sub.close()
+        if consumer is not None:  # the pair holds each other: let go, it would wait for the collector
+            sub, consumer.sub = consumer.sub, None
+            sub.close()
         publisher = self.publishers.pop(link, None)
         if publisher is not None:
             publisher.close()
@@ -365,6 +366,8 @@ class GatewayConnection:
             self._forget(link)
         self.engine.release_partials()
         self.nsqd.remove_client(self)
+        self.engine.forget_sessions()
+        self.on_wake = _noop  # the driver's: it holds this connection
 
 
 def _rcv_settle_mode(attach: Attach) -> int:

@@ -70,6 +70,13 @@ class Session:
         self.next_delivery_id = 0
         self.unsettled: dict[int, tuple[Link, bytes]] = {}
 
+    def forget_links(self) -> None:
+        """The connection is over: drop the links (each points back at this session)."""
+        self._awaiting.clear()
+        self.by_handle.clear()
+        self.by_remote_handle.clear()
+        self.unsettled.clear()
+
     def __repr__(self) -> str:
         return f"<Session channel={self.channel} remote={self.remote_channel}>"
 

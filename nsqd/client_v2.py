@@ -216,9 +216,11 @@ class ClientV2:
             self.on_wake()
 
     def unsubscribe(self) -> None:
-        """The connection is over: in-flight messages go back to the channel."""
-        if self.sub is not None:
-            self.sub.close()
+        """The connection is over: in-flight messages go back to the channel, and the subscription
+        is let go (it holds this client: kept, the pair was a cycle left for the collector)."""
+        sub, self.sub = self.sub, None
+        if sub is not None:
+            sub.close()
 
 
 def _noop() -> None:

@@ -203,7 +203,9 @@ class V2Parser:
         self._failed = False
 
     def clear(self) -> None:
-        """Drop whatever is buffered (the connection is gone; a partial body must not linger)."""
+        """Drop whatever is buffered (the connection is gone; a partial body must not linger), and
+        the protocol's hooks: they hold it, which holds this parser (a cycle left for the collector)."""
+        self.refusal_before_line = self.refusal_before_mpub_body = _no_refusal
         self._buf = bytearray()
         self.more = False
         self.awaiting = 0
@@ -397,12 +399,6 @@ class ProtocolV2:
         if self.auth_enabled:
             self.parser.refusal_before_mpub_body = self._mpub_refusal
             self.parser.after_previous |= {b"MPUB"}
-        self._handlers = {
-            b"IDENTIFY": self.IDENTIFY, b"SUB": self.SUB, b"RDY": self.RDY, b"FIN": self.FIN,
-            b"REQ": self.REQ, b"TOUCH": self.TOUCH, b"PUB": self.PUB, b"MPUB": self.MPUB,
-            b"DPUB": self.DPUB, b"NOP": self.NOP, b"CLS": self.CLS, b"AUTH": self.AUTH,
-            b"LEASE": self.LEASE, b"LFIN": self.LFIN, b"LTOUCH": self.LTOUCH, b"LREQ": self.LREQ,
-        }
 
     def stage_single_pub(self, data: bytearray, end: int) -> bool:
         """Stage ``data[:end]`` if it is exactly one valid ``PUB`` and nothing else; else do nothing.
@@ -529,10 +525,10 @@ class ProtocolV2:
                     continue
                 if name != b"IDENTIFY":
                     self._check_tls(name)
-                handler = self._handlers.get(name)
+                handler = _HANDLERS.get(name)
                 if handler is None:
                     raise ClientError("E_INVALID", f"invalid command {_raw(name)}")
-                response = handler(params, body, now_ns)
+                response = handler(self, params, body, now_ns)
             except AuthRefresh:
                 self.pending.append(("auth",))
                 self._stash = commands[index:]
@@ -931,6 +927,14 @@ class ProtocolV2:
         self.client.pub_counts.add(topic_name, receipt.count)
         return _OK
 
+
+#: the commands, by name: functions of the class, not bound methods a connection would keep (a
+#: table of those made each connection a reference cycle, freed only by a full collection)
+_HANDLERS = {
+    name.encode(): getattr(ProtocolV2, name)
+    for name in ("IDENTIFY", "SUB", "RDY", "FIN", "REQ", "TOUCH", "PUB", "MPUB", "DPUB", "NOP", "CLS", "AUTH",
+                 "LEASE", "LFIN", "LTOUCH", "LREQ")
+}
 
 #: IDENTIFY's fields, typed as nsqd's identifyDataV2 types them (leases is our
 #: extension); sample_rate is an int32
