@@ -160,7 +160,10 @@ async def handle_connection(nsqd: Broker, stream: trio.SocketStream, idle_timeou
         except* Exception as group:
             log.error("AMQP connection failed", client=remote, exc_info=group)
         finally:
-            gateway.connection_lost()
+            try:
+                gateway.connection_lost()
+            except Exception:  # a bug: this connection's alone, as one while it ran (it was the daemon's)
+                log.exception("AMQP connection teardown failed", client=remote)
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 try:
                     await driver.say_goodbye()

@@ -1,4 +1,5 @@
-"""A connection that ends leaves no reference cycle: its objects are freed at once.
+"""What the end of a connection leaves: no reference cycle (its objects are freed at once), and
+no failure beyond it.
 
 A cycle waits for a full collection, which a quiet daemon may not run for
 minutes: 8,000 idle NSQ connections opened and closed left 115 MB behind,
@@ -93,3 +94,24 @@ async def test_a_connection_that_ends_leaves_no_cycle_behind(tmp_path):
         await eventually(lambda: not nsqd.clients)
         await trio.sleep(0.1)
         assert daemon_garbage(older) == Counter()
+
+
+async def test_a_failure_while_an_amqp_connection_ends_stays_with_that_connection(tmp_path, monkeypatch):
+    """A bug in tearing a connection down is logged, as one while it ran; before, it ended the daemon."""
+    from amqp_gateway.gateway import GatewayConnection
+
+    real = GatewayConnection.connection_lost
+
+    def failing(self):
+        real(self)
+        raise RuntimeError("a bug in teardown")
+
+    monkeypatch.setattr(GatewayConnection, "connection_lost", failing)
+    async with gateway(tmp_path) as nsqd:
+        await amqp_connection(nsqd.amqp_port, clean=False)
+        await eventually(lambda: not nsqd.clients)
+        monkeypatch.undo()
+        await amqp_connection(nsqd.amqp_port, clean=True)  # still served
+        publisher = await NSQConnection.open(tcp_port(nsqd))
+        await publisher.pub("t", b"after")
+        await publisher.close()
