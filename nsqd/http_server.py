@@ -443,41 +443,30 @@ class _Connection:
             request = await self._read_head()
             if request is None or not await self._answer(request) or self._stopping:
                 return
-            if self.h11.our_state is not h11.MUST_CLOSE:
-                self.h11.start_next_cycle()
-            elif self._kept_1_0:
-                self._renew_h11()
-            else:
+            if self.h11.our_state is h11.MUST_CLOSE and not self._kept_1_0:
                 return
-            if request.method == b"POST":
-                self._skip_stray_line_ends()
+            self._next_cycle(after_post=request.method == b"POST")
 
     def _new_h11(self) -> h11.Connection:
         return h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_head_size)
 
-    def _renew_h11(self) -> None:
-        """A fresh h11 connection for the next request of a kept HTTP/1.0 connection (h11 has
-        none: it closes every HTTP/1.0 connection), holding what the client already sent."""
+    def _next_cycle(self, after_post: bool) -> None:
+        """Ready for the next request. What the client sent already goes into a fresh h11
+        connection where h11 cannot go on with it: after an answer to HTTP/1.0 kept alive (h11 has
+        no HTTP/1.0 keep-alive), and when it starts with stray line ends after a POST's body (h11
+        would refuse them as an empty request line; up to STRAY_LINE_ENDS are skipped, by
+        :meth:`_feed`, of those held and of those still to come)."""
         data, closed = self.h11.trailing_data
-        self.h11 = self._new_h11()
-        if data:
-            self.h11.receive_data(data)
-        if closed:
-            self.h11.receive_data(b"")
-
-    def _skip_stray_line_ends(self) -> None:
-        """Drop up to STRAY_LINE_ENDS CR or LF bytes after a POST's body (h11 would refuse them as
-        an empty request line): those h11 holds already go through :meth:`_feed` again, into a
-        fresh h11 connection, as those still to come will."""
-        data, closed = self.h11.trailing_data
-        self._stray_allowed = STRAY_LINE_ENDS
-        if data[:1] in (b"\r", b"\n"):
+        stray = after_post and (data[:1] in (b"\r", b"\n") or not (data or closed))
+        self._stray_allowed = STRAY_LINE_ENDS if stray else 0
+        if self.h11.our_state is h11.MUST_CLOSE or (stray and data):
             self.h11 = self._new_h11()
-            self._feed(data)
+            if data:
+                self._feed(data)
             if closed:
                 self.h11.receive_data(b"")
-        elif data or closed:
-            self._stray_allowed = 0
+        else:
+            self.h11.start_next_cycle()
 
     def _feed(self, data: bytes) -> bool:
         """Hand received bytes to h11, less the stray line ends still allowed; False if none are left."""
@@ -555,14 +544,8 @@ class _Connection:
     async def _answer(self, event: h11.Request) -> bool:
         """Call the app and send its answer; False when the connection is to be dropped."""
         target = event.target
-        self._kept_1_0 = False
-        keep_alive_1_0 = event.http_version == b"1.0" and _asks_keep_alive(event.headers)
         if target == b"*" and event.method == b"OPTIONS":  # about the server itself: Go's answers it
-            response = Response(200, [], b"")
-            complete = self._body_complete()
-            await self._send(self.server.serialise(self.h11, response, close=not complete,
-                                                   keep_alive_1_0=keep_alive_1_0))
-            self._kept_1_0 = keep_alive_1_0 and complete
+            await self._send_answer(event, Response(200, [], b""))
             return True
         if target[:1] != b"/":  # absolute form (as proxies send it): its path, as Go's router takes it
             authority = target.partition(b"://")[2]
@@ -593,13 +576,18 @@ class _Connection:
             log.info("bad HTTP request body", client=self.remote, status=exc.status, error=exc.detail)
             await self._send_final(error_response(exc.status, exc.message))
             return False
+        await self._send_answer(event, response)
+        return True
+
+    async def _send_answer(self, event: h11.Request, response: Response) -> None:
+        """Send the answer to ``event``, closing unless its body was read whole and the server goes on."""
         complete = self._body_complete()
         self._linger = not complete
         close = not complete or self._stopping
+        keep_alive_1_0 = event.http_version == b"1.0" and _asks_keep_alive(event.headers)
         await self._send(self.server.serialise(self.h11, response, close=close, head_only=event.method == b"HEAD",
                                                keep_alive_1_0=keep_alive_1_0))
         self._kept_1_0 = keep_alive_1_0 and not close
-        return True
 
     def _body_complete(self) -> bool:
         """Whether the request's body has been read whole, taking what is already buffered."""
