@@ -49,9 +49,13 @@ def _check_type(kind: str, *types: type) -> Callable[[Any], Any]:
 
 
 def _check_symbol(v):
-    if not isinstance(v, str):
-        raise DecodeError(f"expected symbol, got {type(v).__name__}")
-    return v if type(v) is Symbol else Symbol(v)
+    """A symbol, or a string that could be one (some clients send symbols as strings): ASCII only,
+    since whatever is taken may be echoed back encoded as a symbol."""
+    if type(v) is Symbol:
+        return v
+    if not isinstance(v, str) or not v.isascii():
+        raise DecodeError(f"expected symbol, got {type(v).__name__} {v!r:.40}")
+    return Symbol(v)
 
 
 def _check_symbols(v):

@@ -264,6 +264,8 @@ def test_performatives_decode_from_symbolic_descriptors():
     (["c", None, "big"], "expected uint"),                    # max-frame-size as a string
     (["c", None, UInt(512), UInt(70000)], "expected ushort"),  # channel-max out of range
     (["c", None, None, None, None, UInt(5)], "expected symbol"),  # locales not symbols
+    (["c", None, None, None, None, "\u00e9"], "expected symbol"),  # a string that cannot be a symbol
+    (["c", None, None, None, None, None, None, None, "\u0462"], "expected symbol"),  # offered capabilities
 ])
 def test_composite_fields_are_type_checked(fields, problem):
     raw = b"\x00\x53\x10" + codec.encode_list(fields)
@@ -276,6 +278,22 @@ def test_multiple_symbol_fields_accept_one_symbol_or_an_array():
     many, _ = decode(p.Open("c", outgoing_locales=("en", "fr")).encode_amqp())
     assert single.outgoing_locales == ("en",)
     assert many.outgoing_locales == ("en", "fr")
+
+
+@pytest.mark.parametrize("text", ["\u00e9", "\u0462", "amqp:not-found"])
+def test_a_string_where_a_symbol_belongs_must_be_ascii(text):
+    # whatever a composite takes as a symbol may be echoed back encoded as one (a disposition's
+    # state, an attach's source): a non-ASCII string taken raised UnicodeEncodeError then
+    placeholder = Symbol("X" * len(text.encode()))  # a symbol the size of the string, replaced by it
+    raw = p.Rejected(p.Error(placeholder)).encode_amqp().replace(encode(placeholder), encode(text))
+    assert encode(text)[0] == 0xA1  # a string, not a symbol
+    if not text.isascii():
+        with pytest.raises(DecodeError, match="expected symbol"):
+            decode(raw)
+        return
+    rejected, _ = decode(raw)  # an ASCII string is taken as the symbol it spells
+    assert type(rejected.error.condition) is Symbol
+    assert decode(rejected.encode_amqp())[0] == rejected
 
 
 def test_outcomes_and_errors():

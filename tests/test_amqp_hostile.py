@@ -299,6 +299,21 @@ async def test_a_terminus_we_echo_may_hold_any_valid_array(tmp_path, logs):
         assert isinstance(outcomes[0], p.Accepted)
 
 
+async def test_a_non_ascii_string_where_a_symbol_belongs_is_a_decode_error(tmp_path, logs):
+    """A source's expiry-policy sent as the string "\u00e9": taken as a symbol, our attach echoing the
+    source could not encode it, and the connection failed with a traceback (amqp:connection:forced)."""
+    source = p.Source("x", expiry_policy=codec.Symbol("XX")).encode_amqp().replace(b"\xa3\x02XX", b"\xa1\x02\xc3\xa9")
+    async with gateway(tmp_path) as nsqd:
+        client = await Client.connect(nsqd.amqp_port)
+        link = client.session.attach("not-a-symbol", p.SENDER)
+        link.attach(Raw(source), p.Target("/topics/t"))
+        await client.until(lambda: client.conn.close_received)
+        closed = client.take(ev.ConnectionClosed)
+        assert closed[0].error.condition == DECODE_ERROR
+        assert "expected symbol" in closed[0].error.description
+        await still_serving(nsqd)
+
+
 @pytest.mark.parametrize("body, got", [(b"\x00\x53\x18\xc0\x04\x01\xa1\x01x", "str"),
                                        (b"\x00\x53\x18\xc0\x02\x01\x45", "list")])
 async def test_a_close_whose_error_is_not_an_error_is_answered(tmp_path, logs, body, got):
