@@ -43,7 +43,7 @@ from .channel import Channel, ChannelExiting
 from .diskq import goimport, naming
 from .diskq import lock as diskq_lock
 from .diskq.trash import TrashBin
-from .guid import GUIDFactory
+from .guid import ID_LIMIT, GUIDFactory
 from .mpub import STEP_MESSAGES
 from .names import is_valid_channel_name, is_valid_topic_name
 from .options import OVERFLOW_POLICIES, TLS_NOT_REQUIRED, Options, OptionsError
@@ -1176,8 +1176,8 @@ def _checked_metadata(raw: bytes) -> dict:
     if not isinstance(data, dict):
         raise ValueError("not a JSON object")
     last_id = data.get("last_message_id", 0)
-    if type(last_id) is not int or last_id < 0:
-        raise ValueError("last_message_id is not a number")
+    if type(last_id) is not int or not 0 <= last_id < ID_LIMIT:
+        raise ValueError("last_message_id is not a 64-bit message id")
     topics = data.get("topics") or []
     if not isinstance(topics, list):
         raise ValueError("topics is not a list")
@@ -1202,7 +1202,7 @@ def _check_policy(document, owner: str) -> None:
         raise ValueError(f"policy of {owner} is not an object")
     fields = policy.CHANNEL_FIELDS if owner.startswith("channel") else policy.TOPIC_FIELDS
     for key, value in document.items():
-        if key not in fields or type(value) is not fields[key] or (type(value) is int and value < 0):
+        if key not in fields or type(value) is not fields[key] or (type(value) is int and not 0 <= value < 1 << 63):
             raise ValueError(f"policy of {owner} has a bad {key}")
         if key == "overflow" and value not in OVERFLOW_POLICIES:
             raise ValueError(f"policy of {owner} has a bad overflow")

@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 
 _LOW_DIGITS = [b"%02x" % i for i in range(256)]
+#: ids are 64 bits (16 hex digits, the width of the frame's id field)
+ID_LIMIT = 1 << 64
 
 
 class GUIDFactory:
@@ -26,6 +28,8 @@ class GUIDFactory:
 
     def new_ids(self, count: int) -> list[bytes]:
         start = max(self._next, self._clock())
+        if start + count > ID_LIMIT:  # a floor near the top (an edited nsqd.dat): the clock is far below it
+            start = self._clock()
         self._next = stop = start + count
         if count == 1:  # a single PUB
             return [b"%016x" % start]

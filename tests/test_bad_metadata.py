@@ -20,7 +20,10 @@ from .support import Daemon, NSQConnection, consume_distinct, free_port
     (b'{"topics": [{"name": "no spaces allowed"}]}', 'bad topic entry {"name": "no spaces allowed"}'),
     (b'{"topics": [{"name": "t", "channels": [{"name": ""}]}]}', 'bad channel entry {"name": ""} in topic t'),
     (b'{"topics": [{"name": "t", "policy": {"max_messages": "lots"}}]}', "policy of topic t has a bad max_messages"),
-    (b'{"topics": [], "last_message_id": "x"}', "last_message_id is not a number"),
+    (b'{"topics": [], "last_message_id": "x"}', "last_message_id is not a 64-bit message id"),
+    (b'{"topics": [], "last_message_id": 18446744073709551616}', "last_message_id is not a 64-bit message id"),
+    (b'{"topics": [{"name": "t", "policy": {"max_messages": 1000000000000000000000000000000}}]}',
+     "policy of topic t has a bad max_messages"),  # over int64, as HTTP refuses it
 ], ids=lambda v: v[:24].decode(errors="replace") if isinstance(v, bytes) else "")
 def test_garbled_metadata_stops_start_up_with_one_line(tmp_path, content, reason):
     data = tmp_path / "data"
