@@ -34,6 +34,21 @@ class _NamedLogger(structlog.WriteLogger):
         super().__init__(sys.stderr)
         self.name = name
 
+    def msg(self, message: str) -> None:
+        """Write one line; one that cannot be written is dropped, as Go's logger drops it.
+
+        A supervisor may hand the daemon a stderr that fails every write (a
+        descriptor opened read-only, a closed pipe, a full disk): that must
+        not stop the daemon (it did, at its first line).
+        """
+        try:
+            super().msg(message)
+        except (OSError, ValueError):  # ValueError: the file was closed
+            pass
+
+    log = debug = info = warn = warning = msg
+    fatal = failure = err = error = critical = exception = msg
+
 
 def configure_logging(options: Options) -> None:
     """Send structlog output to stderr at the configured level and format.

@@ -8,6 +8,7 @@ publishes and consumes through them.
 from __future__ import annotations
 
 import json
+import os
 import re
 import resource
 import socket
@@ -25,7 +26,7 @@ from nsqd.version import __version__
 
 from .conftest import HTTPClient
 from .harness import GO_LOG_LINE, VERSION, ExitedPrematurely, GoStyleNsqd, nsqd_version
-from .support import NSQConnection
+from .support import NSQConnection, consume_distinct, free_port
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +132,33 @@ async def test_a_port_in_use_exits_1_after_a_fatal_line(tmp_path):
             assert last["message"].startswith(f"failed to start nsqd - listen (127.0.0.1:{port}) failed - ")
         finally:
             await daemon.kill()
+
+
+async def test_a_stderr_that_cannot_be_written_does_not_stop_the_daemon(tmp_path):
+    """A harness handing the daemon ``open(os.devnull)`` (read-only) as stdout and stderr: every
+    log write fails with EBADF, which Go's logger ignores; ours ended the daemon at its first line."""
+    port = free_port()
+    with open(os.devnull) as read_only:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "nsqd", f"--tcp-address=127.0.0.1:{port}", "--http-address=",
+             "--https-address=", "--amqp-address=", f"--data-path={tmp_path}"],
+            stdout=read_only, stderr=read_only)
+    try:
+        with trio.fail_after(20):
+            while True:
+                assert proc.poll() is None, "the daemon exited"
+                try:
+                    conn = await NSQConnection.open(port)
+                    break
+                except OSError:
+                    await trio.sleep(0.05)
+        await conn.pub("t", b"logged nowhere")
+        await conn.close()
+        assert await consume_distinct(port, "t", "c", 1) == {b"logged nowhere"}
+        proc.terminate()
+        assert await trio.to_thread.run_sync(proc.wait, 30) == 0
+    finally:
+        proc.kill()
 
 
 async def test_without_a_certificate_https_stays_off_and_amqp_is_opt_in(tmp_path):
