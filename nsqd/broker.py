@@ -1036,15 +1036,36 @@ class Broker:
                 log.error("messages held in memory could not be written at shutdown and are lost",
                           queue=backend.name, lost=len(records), error=backend.failing)
         failures += await self._close_backends()
-        try:
-            self.save_metadata()
-        except OSError as exc:
+        if not await self._save_metadata_at_stop():
             failures += 1
-            log.error("metadata could not be saved at shutdown", error=str(exc))
         if failures:
             log.error("state persisted with failures", messages=saved, failures=failures)
         else:
             log.info("state persisted", messages=saved)
+
+    async def _save_metadata_at_stop(self) -> bool:
+        """Save nsqd.dat, tried again as the messages are; else log which changes a restart will not see.
+
+        Each of those changes was answered (a pause, a delete, a new topic
+        made while the disk was full): the line says what comes back as it
+        was before them.
+        """
+        document = self.metadata()
+        for attempt in range(SHUTDOWN_RETRIES):
+            try:
+                self.save_metadata(document)
+                return True
+            except OSError as exc:
+                error = exc
+            if attempt + 1 < SHUTDOWN_RETRIES:
+                await trio.sleep(STORAGE_RETRY)
+        try:
+            saved = _checked_metadata((self.data_path / METADATA_FILE).read_bytes())
+        except (OSError, ValueError):
+            saved = {}
+        log.error("metadata could not be saved at shutdown; a restart will not see these changes",
+                  error=str(error), **metadata_changes(saved, document))
+        return False
 
     async def _stop_backends(self) -> None:
         """Cancel every queue's run() task and wait (at most :data:`RUN_END_WAIT`) for them to end:
@@ -1161,6 +1182,32 @@ def _write_steps(backend: diskq.DiskQueue, records: list[bytes], step: int = 256
             break
         written += min(step, len(records) - written)
     return written
+
+
+def metadata_changes(saved: dict, now: dict, most: int = 20) -> dict[str, str]:
+    """What differs between two nsqd.dat documents, for a log line: per kind of change, up to ``most``
+    names (``topic`` or ``topic/channel``), comma-separated; kinds without a change are left out."""
+    def entries(document: dict) -> dict[str, dict]:
+        found = {}
+        for topic in document.get("topics") or []:
+            found[topic["name"]] = topic
+            for channel in topic.get("channels") or []:
+                found[f"{topic['name']}/{channel['name']}"] = channel
+        return found
+
+    before, after = entries(saved), entries(now)
+    changes = {
+        "created": [name for name in after if name not in before],
+        "deleted": [name for name in before if name not in after],
+        "paused": [name for name in after if name in before and after[name].get("paused")
+                   and not before[name].get("paused")],
+        "unpaused": [name for name in after if name in before and before[name].get("paused")
+                     and not after[name].get("paused")],
+        "policy_changed": [name for name in after if name in before
+                           and after[name].get("policy") != before[name].get("policy")],
+    }
+    return {kind: ",".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+            for kind, names in changes.items() if names}
 
 
 class MetadataError(Exception):

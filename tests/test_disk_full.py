@@ -364,6 +364,57 @@ async def test_shutdown_on_a_full_disk_exits_0_and_keeps_what_it_confirmed(small
     assert await daemon.stop() == 0
 
 
+def fill_with_ballast(mount_point) -> None:
+    with open(mount_point / "ballast", "ab", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+
+
+async def answered_while_full(small_fs):
+    """A daemon whose nsqd.dat lists kept/c and gone, then (the disk full) kept paused, gone
+    deleted and fresh created, each answered 200; returns it and its HTTP client."""
+    http_port = free_port()
+    daemon = Daemon(small_fs, "--mem-queue-size=0", f"--http-address=127.0.0.1:{http_port}")
+    await daemon.wait_ready()
+    http = HTTPClient(http_port)
+    for path in ("/topic/create?topic=kept", "/channel/create?topic=kept&channel=c", "/topic/create?topic=gone"):
+        assert (await http.post(path, b"")).status == 200
+    with trio.fail_after(10):
+        while [t["name"] for t in json.loads((small_fs / "nsqd.dat").read_bytes())["topics"]] != ["gone", "kept"]:
+            await trio.sleep(0.05)
+    fill_with_ballast(small_fs)
+    for path in ("/topic/pause?topic=kept", "/topic/delete?topic=gone", "/topic/create?topic=fresh"):
+        assert (await http.post(path, b"")).status == 200
+    fill_with_ballast(small_fs)  # what the deletion freed
+    return daemon, http
+
+
+async def test_changes_answered_while_the_disk_is_full_and_not_saved_at_shutdown_are_named(small_fs):
+    daemon, _ = await answered_while_full(small_fs)
+    started = trio.current_time()
+    assert await daemon.stop() == 0
+    assert trio.current_time() - started >= 2 * 0.9  # tried three times, a second apart
+    lines = [line for line in daemon.proc.stderr.read().decode().splitlines() if "metadata could not be saved" in line]
+    assert len(lines) == 1, lines
+    assert 'created=fresh deleted=gone paused=kept' in lines[0]
+    saved = json.loads((small_fs / "nsqd.dat").read_bytes())
+    assert [(t["name"], t["paused"]) for t in saved["topics"]] == [("gone", False), ("kept", False)]
+
+
+async def test_metadata_is_saved_at_shutdown_once_the_disk_has_room_again(small_fs):
+    daemon, _ = await answered_while_full(small_fs)
+    daemon.proc.send_signal(signal.SIGTERM)
+    await trio.sleep(0.5)  # the first save has failed; the next is a second after it
+    (small_fs / "ballast").unlink()
+    assert await trio.to_thread.run_sync(daemon.proc.wait, 30) == 0
+    assert "metadata could not be saved" not in daemon.proc.stderr.read().decode()
+    saved = json.loads((small_fs / "nsqd.dat").read_bytes())
+    assert [(t["name"], t["paused"]) for t in saved["topics"]] == [("fresh", False), ("kept", True)]
+
+
 async def test_shutdown_on_a_full_disk_with_a_lease_writes_what_fits_and_counts_the_rest(small_fs):
     """A lease's messages the disk refuses are written with the queued ones, without their lease:
     what fits comes back, the rest is counted as lost (they had been skipped, uncounted, with
@@ -478,3 +529,15 @@ async def test_a_disk_queue_that_cannot_be_read_for_a_while_is_read_again(tmp_pa
     finally:
         await daemon.stop()
     assert "cannot read the %s's disk queue" % where in daemon.proc.stderr.read().decode()
+
+
+def test_the_unsaved_changes_line_names_channels_policies_and_bounds_its_lists():
+    from nsqd.broker import metadata_changes
+
+    saved = {"topics": [{"name": "t", "paused": True, "channels": [{"name": "a"}, {"name": "b", "paused": False}]}]}
+    now = {"topics": [{"name": "t", "channels": [{"name": "b", "paused": True, "policy": {"max_messages": 5}}]},
+                      *({"name": f"n{i}"} for i in range(25))]}
+    changes = metadata_changes(saved, now)
+    assert changes == {"created": ",".join(f"n{i}" for i in range(20)) + " and 5 more", "deleted": "t/a",
+                       "paused": "t/b", "unpaused": "t", "policy_changed": "t/b"}
+    assert metadata_changes(now, now) == {}
