@@ -27,7 +27,9 @@ yet (a batch may run longer than the message timeout) and keeps the driver's
 idle connections answering heartbeats. When a settling connection is lost,
 the batches acknowledged in the minute before are finished again on the next
 one: a durable daemon that crashed brings back the leases its last
-checkpoint saw, finished since or not.
+checkpoint saw, finished since or not. A driver restarted from the query's
+checkpoint does the same, at its first acknowledgement, for the batches
+before it (the daemon may have crashed with the earlier driver).
 """
 
 from __future__ import annotations
@@ -226,7 +228,14 @@ class LeaseDriver:
         if batch <= self._acked_through:
             return
         with self._lock:
-            for b in sorted({b for b in self._pending if b <= batch} | {batch}):
+            batches = {b for b in self._pending if b <= batch} | {batch}
+            if not self._acked_through:
+                # the first in this process (a query restarted from its checkpoint): the batches an
+                # earlier driver acknowledged may have leases again, brought back by a durable daemon
+                # that crashed with it; nobody knew them as finished, so they expired and were delivered
+                # again. Finishing a lease that is gone finishes nothing.
+                batches.update(range(max(batch - REFINISH_BATCHES, 1), batch))
+            for b in sorted(batches):
                 self._settle(b, "LFIN", retry=True)
                 self._pending.discard(b)
                 self._fresh.discard(b)

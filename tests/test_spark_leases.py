@@ -498,6 +498,39 @@ def test_a_durable_daemon_that_crashed_gets_the_leases_of_batches_finished_just_
         durable.stop(signal.SIGKILL)
 
 
+def test_a_restarted_driver_finishes_again_the_batches_an_earlier_one_finished_before_a_durable_crash(tmp_path):
+    """The driver and a durable daemon killed together: the daemon brought back the leases of
+    batches the old driver had finished since its checkpoint, which the new driver did not know
+    of; they stayed in flight for nobody and came back (attempts 2) after the message timeout."""
+    durable = RestartableDaemon(tmp_path / "nsqd", "--durable", "--sync-timeout=3s")
+    try:
+        addr = address(durable)
+        opts = ReadOptions.parse({"nsqd.address": addr, "topic": "rr", "channel": "c", "maxInFlight": "40"})
+        publish(addr, "rr", bodies(100))
+        driver = LeaseDriver(opts, "run")
+        try:
+            assert driver.new_data(1) and sorted(batch_bodies(opts, 1)) == bodies(100)
+            time.sleep(3.5)  # past a checkpoint: the leases are on disk
+            driver.acknowledge(1)
+            durable.stop(signal.SIGKILL)  # before the next checkpoint: the LFINs are not on disk
+        finally:
+            driver.close()  # the driver's process ends too
+        durable.start()
+        assert durable.channel_stats("rr", "c")["in_flight_count"] == 100  # the leases came back
+        publish(addr, "rr", [b"next"])
+        again = LeaseDriver(opts, "run")  # the query restarted from its checkpoint: batch 1 was committed
+        try:
+            assert wait_for(lambda: again.new_data(2), 10, 0.1)
+            assert batch_bodies(opts, 2) == [b"next"]
+            again.acknowledge(2)
+        finally:
+            again.close()
+        stats = durable.channel_stats("rr", "c")
+        assert (stats["in_flight_count"], stats["depth"]) == (0, 0)
+    finally:
+        durable.stop(signal.SIGKILL)
+
+
 def test_the_driver_waits_for_a_daemon_that_is_away(restartable):
     addr = address(restartable)
     opts = ReadOptions.parse({"nsqd.address": addr, "topic": "r4", "channel": "c", "reconnectTimeout": "30s"})
