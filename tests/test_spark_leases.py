@@ -471,9 +471,13 @@ def batch_bodies(opts, batch, run="run"):
             for part in read_partition(opts, p) for b in part.column("body").to_pylist()]
 
 
-def test_a_durable_daemon_that_crashed_gets_the_leases_of_batches_finished_just_before_finished_again(tmp_path):
+@pytest.mark.parametrize("driver_restarts", [False, True])
+def test_a_durable_daemon_that_crashed_gets_the_leases_of_batches_finished_just_before_finished_again(
+        tmp_path, driver_restarts):
     """LFINs since the daemon's last checkpoint are lost with a crash: the leases came back, in
-    flight for nobody, and their messages were delivered again (attempts 2) once they expired."""
+    flight for nobody, and their messages were delivered again (attempts 2) once they expired.
+    The driver finishes them again on its next connection; a driver restarted from the query's
+    checkpoint (killed with the daemon, it never knew them) at its first acknowledgement."""
     durable = RestartableDaemon(tmp_path / "nsqd", "--durable", "--sync-timeout=3s")
     try:
         addr = address(durable)
@@ -485,47 +489,18 @@ def test_a_durable_daemon_that_crashed_gets_the_leases_of_batches_finished_just_
             time.sleep(3.5)  # past a checkpoint: the leases are on disk
             driver.acknowledge(1)
             durable.stop(signal.SIGKILL)  # before the next one: the LFINs are not
+            if driver_restarts:
+                driver.close()
+                driver = LeaseDriver(opts, "run")  # the query restarted from its checkpoint: batch 1 committed
             durable.start()
+            assert durable.channel_stats("rf", "c")["in_flight_count"] == 100  # the leases came back
             publish(addr, "rf", [b"next"])
             assert wait_for(lambda: driver.new_data(2), 10, 0.1)
             assert batch_bodies(opts, 2) == [b"next"]
-            driver.acknowledge(2)  # on a new settling connection: batch 1 is finished again first
+            driver.acknowledge(2)  # batch 1 is finished again first
         finally:
             driver.close()
         stats = durable.channel_stats("rf", "c")
-        assert (stats["in_flight_count"], stats["depth"]) == (0, 0)
-    finally:
-        durable.stop(signal.SIGKILL)
-
-
-def test_a_restarted_driver_finishes_again_the_batches_an_earlier_one_finished_before_a_durable_crash(tmp_path):
-    """The driver and a durable daemon killed together: the daemon brought back the leases of
-    batches the old driver had finished since its checkpoint, which the new driver did not know
-    of; they stayed in flight for nobody and came back (attempts 2) after the message timeout."""
-    durable = RestartableDaemon(tmp_path / "nsqd", "--durable", "--sync-timeout=3s")
-    try:
-        addr = address(durable)
-        opts = ReadOptions.parse({"nsqd.address": addr, "topic": "rr", "channel": "c", "maxInFlight": "40"})
-        publish(addr, "rr", bodies(100))
-        driver = LeaseDriver(opts, "run")
-        try:
-            assert driver.new_data(1) and sorted(batch_bodies(opts, 1)) == bodies(100)
-            time.sleep(3.5)  # past a checkpoint: the leases are on disk
-            driver.acknowledge(1)
-            durable.stop(signal.SIGKILL)  # before the next checkpoint: the LFINs are not on disk
-        finally:
-            driver.close()  # the driver's process ends too
-        durable.start()
-        assert durable.channel_stats("rr", "c")["in_flight_count"] == 100  # the leases came back
-        publish(addr, "rr", [b"next"])
-        again = LeaseDriver(opts, "run")  # the query restarted from its checkpoint: batch 1 was committed
-        try:
-            assert wait_for(lambda: again.new_data(2), 10, 0.1)
-            assert batch_bodies(opts, 2) == [b"next"]
-            again.acknowledge(2)
-        finally:
-            again.close()
-        stats = durable.channel_stats("rr", "c")
         assert (stats["in_flight_count"], stats["depth"]) == (0, 0)
     finally:
         durable.stop(signal.SIGKILL)
