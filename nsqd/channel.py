@@ -146,6 +146,9 @@ class Channel:
         self.timeouts_left = False
         #: called whenever in-flight messages are settled (the shutdown drain waits on it)
         self.on_settled: Callable[[], None] | None = None
+        #: the topic is durable: messages are delivered from memory, their disk records never read
+        #: back, so finishing them counts towards the disk queue's checkpoints as reading them would
+        self.write_through = False
         #: called once, the next time messages leave the queue (publishers wait for room on it)
         self.on_room: Callable[[], None] | None = None
         self.subscriptions: dict[int, Subscription] = {}
@@ -262,10 +265,10 @@ class Channel:
         if not self.subscriptions and self.ephemeral and self._on_last_consumer_gone is not None:
             self._on_last_consumer_gone(self)
 
-    def settled(self) -> None:
+    def settled(self, finished: int = 0) -> None:
         """In-flight messages were finished, given back or timed out: the disk queue checkpoints that."""
         if self.backend is not None:
-            self.backend.kept_changed()
+            self.backend.kept_changed(finished if self.write_through else 0)
         if self.on_settled is not None:
             self.on_settled()
 

@@ -670,7 +670,9 @@ class HTTPAPI:
         await self.nsqd.metadata_saved()  # a resurrected channel would collect every message for no one
 
     async def channel_empty(self, request: Request) -> None:
-        self._existing_channel(request).empty()
+        channel = self._existing_channel(request)
+        channel.empty()
+        self.nsqd.topics[channel.topic_name].readers_changed()
 
     async def channel_pause(self, request: Request, *, pause: bool) -> None:
         channel = self._existing_channel(request)

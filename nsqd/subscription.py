@@ -202,10 +202,11 @@ class Subscription:
         missing = [msg_id for msg_id in ids if pop(msg_id, None) is None]
         if missing and self.leases:
             missing = [msg_id for msg_id in missing if not self._finish_leased(msg_id)]
-        self.finish_count += len(ids) - len(missing)
+        finished = len(ids) - len(missing)
+        self.finish_count += finished
         if channel.failed or channel.released:  # only those finished: another holder's copy keeps its counts
             channel.forget(ids if not missing else set(ids).difference(missing))
-        channel.settled()
+        channel.settled(finished)
         if missing:
             return [(msg_id, self._reason(msg_id)) for msg_id in missing]
         return []
@@ -233,7 +234,7 @@ class Subscription:
         channel.e2e.add_many(published, channel.clock())
         if channel.failed or channel.released:
             channel.forget(ids if not missing else set(ids).difference(msg_id for msg_id, _ in missing))
-        channel.settled()
+        channel.settled(len(published))
         return missing
 
     def _pop_leased(self, msg_id: bytes):

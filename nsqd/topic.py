@@ -183,11 +183,25 @@ class Topic:
                 on_last_consumer_gone=self._ephemeral_channel_gone,
                 on_read_failed=self._channel_read_failed,
             )
+            channel.write_through = self.policy.durable
             self.channels[name] = channel
             self._on_channels_changed(self)
+            self.readers_changed()
             self._release_backlog()
             self._room_made()
         return channel
+
+    def readers_changed(self) -> None:
+        """A channel was added, emptied or deleted: what the topic's disk queue handed on is let go now.
+
+        Its records read and handed to the channels are let go at the
+        queue's next checkpoint, up to ``--sync-timeout`` later; a crash
+        before it handed them again to the channels there were then: to a
+        new one (messages published before it existed) and to an emptied or
+        deleted one (messages it no longer had).
+        """
+        if self.backend is not None:
+            self.backend.checkpoint_if_read()
 
     def delete_channel(self, name: str) -> None:
         channel = self.channels.pop(name)
@@ -198,6 +212,7 @@ class Topic:
         if channel.backend is not None:
             channel.backend.delete()
         self._on_channels_changed(self)
+        self.readers_changed()
         self._room_made()
         if not self.channels and self.ephemeral:
             self._on_last_channel_gone(self)
@@ -211,6 +226,7 @@ class Topic:
         self.policy = policy
         for channel in self.channels.values():
             channel.set_policy(with_channel_changes(policy.channel, channel.overrides))
+            channel.write_through = policy.durable
         self._room_made()
 
     def when_room(self, notify: Callable[[], None]) -> None:

@@ -207,6 +207,8 @@ class DiskQueue:
         self._bytes_written = 0
         self._syncs = 0
         self._ops_since_checkpoint = 0
+        #: records were read since the last checkpoint (a crash would read them again)
+        self._read_since_checkpoint = False
         self._checkpoint_due = False
         self._metadata_dirty = False
         self._last_checkpoint = float("-inf")
@@ -428,6 +430,7 @@ class DiskQueue:
             if not self._metadata_dirty:
                 self._dirtied()
             self._count_op(len(records))
+            self._read_since_checkpoint = True
         if reader.segment != segment:  # a segment was read through: it may be released
             self._request_checkpoint()
         if len(records) < max_count or reader.caught_up:  # read to the end (maybe with a full batch)
@@ -624,14 +627,18 @@ class DiskQueue:
         """
         self._run_scheduled = True
 
-    def kept_changed(self) -> None:
+    def kept_changed(self, finished: int = 0) -> None:
         """The keeper's view changed (a message finished or given back): the next periodic checkpoint saves it.
 
         Without this a FIN after a quiet period was never checkpointed, so a
         crash delivered it again however long ago it was finished.
+        ``finished``: records the keeper let go that were never read back
+        (write-through), counted as reads towards ``sync_every``.
         """
         if not self._metadata_dirty:
             self._dirtied()
+        if finished:
+            self._count_op(finished)
 
     def _dirtied(self) -> None:
         """The queue has something for a checkpoint: wake run(), which sleeps without a deadline while clean.
@@ -650,6 +657,11 @@ class DiskQueue:
         """Save the keeper's view soon (the owner finished many records)."""
         self._metadata_dirty = True
         self._request_checkpoint()
+
+    def checkpoint_if_read(self) -> None:
+        """Save a checkpoint soon if records were read since the last one."""
+        if self._read_since_checkpoint:
+            self.request_checkpoint()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Group commits and periodic checkpoints, until cancelled or closed."""
@@ -908,6 +920,7 @@ class DiskQueue:
                 holes = _uncovered(meta.kept, release_segment + 1, min(meta.read_segment, writer.segment))
                 plan.consumed += [segment for segment in holes if segment not in self._holes and segment != reader]
             self._ops_since_checkpoint = 0
+            self._read_since_checkpoint = False
         return plan
 
     def _snapshot(self) -> Metadata:
