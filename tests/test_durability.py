@@ -675,13 +675,7 @@ async def test_durable_messages_finished_count_towards_sync_every_so_a_crash_bri
         await consumer.command("RDY 0")
         await consumer.command("NOP")
         await trio.sleep(0.5)  # the checkpoints the finishes asked for
-    except BaseException:
-        await daemon.stop()
-        raise
-    assert await daemon.stop(signal.SIGKILL) == -signal.SIGKILL
-    daemon = Daemon(tmp_path, *args)
-    await daemon.wait_ready()
-    try:
+        daemon, _ = await killed_and_restarted(daemon, tmp_path, args, 0)
         bodies = await consume_until_quiet(daemon.port, "t", idle=1.0)
         assert {b"%04d" % i for i in range(1000)} - finished <= set(bodies)  # none lost
         assert len(finished & set(bodies)) <= 100 + 50, len(finished & set(bodies))
