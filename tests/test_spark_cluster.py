@@ -113,7 +113,7 @@ def test_the_example_pipeline_on_a_standalone_cluster(daemon, tmp_path):
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{master_ui}/json/", timeout=2) as response:
                     return json.load(response)["aliveworkers"]
-            except OSError:
+            except (OSError, ValueError):  # not listening yet, or a starting UI's empty answer
                 return 0
 
         assert wait_for(alive_workers, 90, 0.25), (tmp_path / "worker.log").read_text()[-3000:]
