@@ -66,11 +66,10 @@ BATCH_ROWS = 8192
 BATCH_BYTES = 16 << 20
 #: lease commands sent before their answers are read, when walking segments
 WINDOW = 16
-#: nsqd refills a connection that holds messages only once this share of its RDY is free (its
-#: MIN_REFILL_FRACTION), or an output_buffer_timeout later (OUTPUT_BUFFER_TIMEOUT_MS, longer than
-#: FULL_WAIT): a segment with less room left gets nothing beyond what nsqd took for it already
+#: a segment with less than this share of its room left hands over to the next: the spare connection
+#: gets its RDY while this one takes its last messages, so the partition reads on without a pause
 REFILL_FRACTION = 8
-#: how long a segment in its last eighth may take to fill up before it is sealed
+#: how long a segment in its last eighth may take to fill up before it is closed
 FULL_WAIT = 0.01
 #: a spare connection idle for longer is not used (nsqd closes a connection that misses two heartbeats)
 SPARE_MAX_AGE = 10.0
@@ -451,11 +450,10 @@ class LeaseReader:
     def _read_fresh(self, conn: Connection) -> Iterator[pa.RecordBatch]:
         """New messages into the open segment until nsqd sends it no more or the read should stop.
 
-        nsqd refills a connection that holds messages only when an eighth of
-        its RDY is free: once the segment has less room than that, it gets
-        nothing beyond what nsqd took for it already, and the next segment
-        starts (:meth:`_start_next`). The spare connection for it is opened
-        when this one is half full.
+        Once the segment has less than an eighth of its room left, the next
+        segment starts (:meth:`_start_next`) while this one takes its last
+        messages. The spare connection for it is opened when this one is
+        half full.
         """
         columns, want = self.columns, self._want
         spare = self.max_messages is None or self.total - self._got + want < self.max_messages

@@ -29,10 +29,6 @@ STATE_CLOSING = 4
 
 _CLOSE_WAIT = message.encode_response(b"CLOSE_WAIT")
 
-#: a client with messages in flight refills only once this share of RDY is free, so a busy
-#: consumer gets big batches instead of one message per FIN; a smaller refill waits at most
-#: output_buffer_timeout (a consumer that holds what it has must still get what RDY allows)
-MIN_REFILL_FRACTION = 8
 #: bytes of messages one fill takes (at least one message): a client that does not read holds
 #: this, its socket buffers and its output buffer in flight, not its whole RDY of large
 #: messages (as nsqd's pump, which blocks on the socket; docs/limits.md)
@@ -109,8 +105,6 @@ class ClientV2:
         self.out: list[bytes] = []
         #: a frame other than a message is waiting (a response, an error, a heartbeat): write at once
         self.flush_now = False
-        #: when a refill smaller than a batch was first put off (None: none is); see :meth:`fill`
-        self.refill_put_off_ns: int | None = None
         #: the last fill stopped for a budget with room left (see Subscription.stopped_short)
         self.stopped_short = False
         self.exit_requested = False
@@ -178,36 +172,24 @@ class ClientV2:
         """Take messages from the subscription while RDY allows, into :attr:`out`, up to
         ``FILL_BYTES`` at a time.
 
-        A refill smaller than ``1 / MIN_REFILL_FRACTION`` of RDY waits for
-        more room, at most ``output_buffer_timeout`` (as nsqd's buffered
-        writer holds messages); then what it takes is written at once.
+        Whatever is free is taken at once, as nsqd's pump sends while in
+        flight < RDY: a busy consumer still gets batches, since a fill comes
+        after all the FINs of one read. Holding a small refill back for more
+        room cost a client that leaves Nagle on a delayed ACK (about 40 ms)
+        per FIN: nothing went back to carry it.
         """
-        put_off, self.refill_put_off_ns = self.refill_put_off_ns, None  # kept only while it still waits
         self.stopped_short = False
         sub = self.sub
         if sub is None or self.state != STATE_SUBSCRIBED:
             return
-        ready = self.budget.limit
-        in_flight = sub.in_flight_count
-        free = ready - in_flight
+        free = self.budget.limit - sub.in_flight_count
         if free <= 0:
             return
-        waited = in_flight and free * MIN_REFILL_FRACTION < ready
-        if waited and self.output_buffer_timeout_ns > 0:
-            if put_off is None:  # the writer is woken to learn until when
-                self.refill_put_off_ns = now_ns
-                self.on_wake()
-                return
-            if now_ns - put_off < self.output_buffer_timeout_ns:
-                self.refill_put_off_ns = put_off
-                return
         out = self.out
         before = len(out)
         for _, frames, _ in sub.take(free, now_ns, FILL_BYTES):
             out.extend(frames)
         taken = len(out) - before
-        if waited and taken:
-            self.flush_now = True  # held long enough already
         self.stopped_short = taken < free and sub.stopped_short
         if self.stopped_short:
             # by FILL_BYTES or the step of dropped messages: the writer comes back once these are

@@ -573,10 +573,6 @@ class Connection:
             wake_at = last_heartbeat + hb if hb > 0 else math.inf
             if self._held_until is not None:  # messages wait in the output buffer: send them by then
                 wake_at = min(wake_at, self._held_until)
-            if client.refill_put_off_ns is not None:  # a small refill waits: take it by then
-                left_ns = client.refill_put_off_ns + client.output_buffer_timeout_ns - self.nsqd.now_ns()
-                if left_ns > 0:  # else a writer holds the turn, and refills before it gives it back
-                    wake_at = min(wake_at, trio.current_time() + left_ns / 1e9)
             self._pump_wake_at = wake_at = min(wake_at, self._read_deadline)
             if not self._woken:
                 with trio.move_on_at(wake_at):
