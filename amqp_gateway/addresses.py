@@ -1,7 +1,8 @@
 """Node addresses: ``/topics/<topic>`` to publish, ``/topics/<topic>/channels/<channel>`` to consume.
 
 Names follow NSQ's rules (``nsqd.names``, ``#ephemeral`` allowed) and are
-taken literally: no percent-decoding. An address of another shape names no
+taken literally: no percent-decoding. A URI (``amqps://host/topics/t``)
+names the same node as its path. An address of another shape names no
 node we have (``amqp:not-found``); a well-shaped address with a bad name, or
 a missing address, is ``amqp:invalid-field``; dynamic nodes and termini other
 than source and target are ``amqp:not-implemented``.
@@ -14,10 +15,20 @@ from nsqd.names import is_valid_channel_name, is_valid_topic_name
 from .errors import INVALID_FIELD, NOT_FOUND, NOT_IMPLEMENTED, LinkRefused
 
 
+def _path(address: str) -> str:
+    """The address without an ``amqp://host:port`` or ``amqps://...`` in front, as some clients
+    (uamqp, the Azure SDKs) always send it."""
+    scheme, sep, rest = address.partition("://")
+    if sep and scheme.lower() in ("amqp", "amqps"):
+        _, slash, path = rest.partition("/")
+        return slash + path
+    return address
+
+
 def _parts(address: object) -> list[str]:
     if not isinstance(address, str) or not address:
         raise LinkRefused(INVALID_FIELD, "the link needs an address")
-    parts = address.split("/")
+    parts = _path(address).split("/")
     if parts[0] != "" or len(parts) < 2 or parts[1] != "topics":
         raise LinkRefused(NOT_FOUND, f"no node at {address!r}: use /topics/<topic>[/channels/<channel>]")
     return parts[2:]

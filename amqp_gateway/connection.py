@@ -173,6 +173,8 @@ class Connection:
         self.finished = False
         self.sessions: dict[int, Session] = {}
         self._remote_sessions: dict[int, Session] = {}
+        #: the peer's channels whose session it ended: their late frames are ignored (at most channel-max)
+        self._ended_channels: set[int] = set()
         self._stage = _AWAIT_HEADER
         self._sasl_done = False
         #: server: a sasl-outcome went out (a fault during SASL otherwise gets one, sys-perm)
@@ -480,9 +482,15 @@ class Connection:
                 self._end_session(session, fault.error, events)
 
     def _session(self, channel: int) -> Session | None:
-        """The session on the peer's ``channel``; None if we ended it and ignore its frames."""
+        """The session on the peer's ``channel``; None if either side ended it and its frames are ignored.
+
+        A frame on a channel whose session the peer ended is ignored too: rhea sends its
+        credit window's flow after its own end, and that must not close every other session.
+        """
         session = self._remote_sessions.get(channel)
         if session is None:
+            if channel in self._ended_channels:
+                return None
             raise ConnectionFault(ILLEGAL_STATE, f"frame on channel {channel} without a session")
         return None if session.end_sent else session
 
@@ -523,6 +531,7 @@ class Connection:
     def _on_begin(self, channel: int, begin: Begin, events: list) -> None:
         if channel in self._remote_sessions:
             raise ConnectionFault(NOT_ALLOWED, f"channel {channel} already has a session")
+        self._ended_channels.discard(channel)
         if begin.remote_channel is None:
             session = self._new_session()
             session.remote_channel = channel
@@ -542,6 +551,7 @@ class Connection:
         session = self._remote_sessions.pop(channel, None)
         if session is None:
             raise ConnectionFault(ILLEGAL_STATE, f"end on channel {channel} without a session")
+        self._ended_channels.add(channel)
         first = not session.end_sent
         session.on_end()
         session.end()

@@ -9,8 +9,9 @@ Its link credit is its RDY, within the connection's budget (every link of a
 connection shares ``--max-rdy-count``, whatever credit the client grants):
 :meth:`fill` takes at most ``min(credit, the session's outgoing window,
 FILL_BATCH)`` messages per round, and no more bytes than the round has left
-(the connection's ``FILL_BYTES``, shared by its links), so a huge credit
-never holds more than one batch in our buffers; the writer calls it again as
+(the connection's ``FILL_BYTES``, shared by its links) or the window's
+frames can carry, so a huge credit never holds more than one batch in our
+buffers, nor a shut window more than one message; the writer calls it again as
 the socket drains. A
 pre-settled link (snd-settle-mode settled) is at-most-once: messages are
 finished as they are sent.
@@ -40,6 +41,8 @@ FILL_BATCH = 256
 #: message): a client that does not read holds this and its socket buffers in flight, not its
 #: whole credit of large messages (docs/limits.md)
 FILL_BYTES = 1024 * 1024
+#: bytes of a transfer frame that are not the message: frame header, transfer fields, the tag
+TRANSFER_OVERHEAD = 64
 #: timed-out deliveries tolerated in the session's unsettled map before it is pruned
 STALE_SLACK = 1024
 
@@ -169,11 +172,17 @@ class LinkConsumer:
         ``max_bytes``); answer drain and echo. Returns the bytes of the messages sent."""
         link = self.link
         sub = self.sub
-        want = min(link.credit, link.session.outgoing_room, FILL_BATCH) if max_bytes > 0 else 0
+        session = link.session
+        room = session.outgoing_room
+        want = min(link.credit, room, FILL_BATCH) if max_bytes > 0 else 0
         sent = nbytes = 0
         self.stopped_short = False
         if want > 0:
-            pieces = sub.take(want, now_ns, max_bytes)
+            # no more bytes than the window's frames carry (and at least one message): a message
+            # of many frames took a window slot each, and what the window never let through came
+            # back as failed deliveries when the client went
+            carried = room * (session.connection.peer_max_frame_size - TRANSFER_OVERHEAD)
+            pieces = sub.take(want, now_ns, min(max_bytes, carried))
             if pieces:
                 sent = self._send(pieces)
             nbytes = sub.taken_bytes

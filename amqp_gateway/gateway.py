@@ -288,8 +288,10 @@ class GatewayConnection:
             raise LinkRefused(RESOURCE_DELETED, f"cannot publish: {exc}") from None
         publisher = LinkPublisher(link, topic_name, self.nsqd, self.pub_counts, self._wake)
         self.publishers[link] = publisher
+        # we settle our outcome at once whatever mode the client asked for (it is ours to state,
+        # spec 2.7.3): the message is stored, and Azure's pyamqp sender waits for a settled outcome
         link.attach(attach.source, Target(target.address), snd_settle_mode=attach.snd_settle_mode,
-                    rcv_settle_mode=_rcv_settle_mode(attach))
+                    rcv_settle_mode=RCV_FIRST)
         publisher.grant()
         log.info("AMQP publisher attached", client=self.remote_address, link=link.name, topic=topic_name)
 
@@ -371,12 +373,8 @@ class GatewayConnection:
 
 
 def _rcv_settle_mode(attach: Attach) -> int:
-    """The client's rcv-settle-mode, which we follow (spec 2.8.3).
-
-    Consuming, we settle every outcome the client sends unsettled at once,
-    which is all that second asks of a sender; publishing, our outcomes go
-    out unsettled under second and the client settles them.
-    """
+    """A consuming client's rcv-settle-mode, which we follow (spec 2.8.3): we settle every
+    outcome it sends unsettled at once, which is all that second asks of a sender."""
     return RCV_SECOND if attach.rcv_settle_mode == RCV_SECOND else RCV_FIRST
 
 

@@ -349,6 +349,27 @@ def test_peer_ended_session_is_answered_and_reported():
     assert 0 not in pair.server.sessions and 0 not in pair.client.sessions
 
 
+def test_late_frames_on_a_session_the_peer_ended_are_ignored_not_fatal():
+    """rhea with a credit window sends a flow on its session's channel after its own end; that
+    closed the whole connection with illegal-state, every other session with it. A frame on a
+    channel that never had a session is still illegal-state."""
+    pair = Pair()
+    pair.open_session()
+    other = pair.client.begin()
+    pair.exchange()
+    pair.client.sessions[0].end()
+    pair.exchange()
+    assert pair.take("server", ev.SessionEnded)
+    late = encode_frame(0, p.Flow(0, 10, 0, 10).encode_amqp())
+    pair.server_events += pair.server.receive_data(late + late)
+    assert not pair.take("server", ev.ConnectionClosed) and not pair.server.close_sent
+    other.end()
+    pair.exchange()
+    assert pair.take("server", ev.SessionEnded) and not pair.server.close_sent
+    pair.server_events += pair.server.receive_data(encode_frame(7, p.Flow(0, 10, 0, 10).encode_amqp()))
+    assert _close_error(pair.server, pair.server_events) == errors.ILLEGAL_STATE
+
+
 def test_transfer_beyond_the_incoming_window_ends_the_session():
     pair = Pair()
     client_link, server_link = pair.link()

@@ -378,6 +378,9 @@ async def test_a_released_message_is_no_longer_first_acquired(tmp_path):
     ("receiver", "/topics/t/channels/" + "c" * 65, None, "amqp:invalid-field"),
     ("sender", "/topics/t/channels/c", None, "amqp:not-found"),
     ("sender", "/topics/no$good", None, "amqp:invalid-field"),
+    ("sender", "amqp://host:5672", None, "amqp:not-found"),
+    ("sender", "http://host/topics/t", None, "amqp:not-found"),
+    ("receiver", "amqps://host/topics/t", None, "amqp:not-found"),
 ])
 async def test_bad_address_refuses_the_link_and_the_connection_lives(tmp_path, role, address, options, condition):
     async with daemon(tmp_path) as nsqd:
@@ -392,6 +395,26 @@ async def test_bad_address_refuses_the_link_and_the_connection_lives(tmp_path, r
 
         assert await in_thread(attempt) == (condition, Delivery.ACCEPTED)
         assert nsqd.topics["ok"].message_count == 1
+
+
+async def test_addresses_given_as_amqp_uris_name_the_same_nodes(tmp_path):
+    """uamqp and the Azure SDKs send every address as amqp[s]://host[:port]/path; only the path
+    names the node (both links were refused with amqp:not-found)."""
+    async with daemon(tmp_path) as nsqd:
+        port = nsqd.amqp_addresses[0][1]
+
+        def round_trip():
+            conn = connect(nsqd)
+            receiver = conn.create_receiver("amqps://example.net/topics/uri/channels/c", credit=10)
+            sender = conn.create_sender(f"amqp://127.0.0.1:{port}/topics/uri")
+            state = sender.send(Message(body=b"by uri", inferred=True)).remote_state
+            (got,) = wait_messages(conn, receiver, 1)
+            receiver.accept()
+            conn.close()
+            return state, bytes(got.body)
+
+        assert await in_thread(round_trip) == (Delivery.ACCEPTED, b"by uri")
+        assert nsqd.topics["uri"].message_count == 1
 
 
 async def test_a_receiver_in_rcv_settle_mode_second_is_served(tmp_path):

@@ -421,6 +421,30 @@ async def test_a_detach_comes_after_the_transfers_the_window_held_back(tmp_path)
         await client.until(lambda: len(client.deliveries(other)) == 2, timeout=3)
 
 
+async def test_a_narrow_window_takes_no_more_messages_than_its_frames_carry(tmp_path):
+    """Five 3,000-byte messages, 512-byte frames, a window of 3 frames, credit 100: a message
+    needs 6 frames, yet a round took one message per window slot. When the client went, the ones
+    never put on the wire came back as failed deliveries (dead-lettered unseen with
+    --max-attempts). Now a round takes what the window's frames carry, at least one message."""
+    async with gateway(tmp_path) as nsqd:
+        put(nsqd, "t", "c", [bytes([97 + i]) * 3000 for i in range(5)])
+        client = await narrow_window_client(nsqd)
+        link = await client.attach(p.RECEIVER, "/topics/t/channels/c")
+        link.flow(100)
+        await client.until(lambda: client.session.next_incoming_id == 3)
+        await client.for_a_while(0.2)
+        channel = nsqd.topics["t"].channels["c"]
+        assert channel.in_flight_count == 1
+        await client.stream.aclose()
+        await eventually(lambda: not consumers(channel) and channel.in_flight_count == 0)
+        conn = await NSQConnection.open(tcp_port(nsqd))
+        await conn.sub("t", "c")
+        await conn.command("RDY 5")
+        got = [await conn.read_message() for _ in range(5)]
+        # the first was partly sent: a delivery attempt; the others were never taken
+        assert [(m.body[:1], m.attempts) for m in got] == [(b"a", 2), (b"b", 1), (b"c", 1), (b"d", 1), (b"e", 1)]
+
+
 async def test_a_drain_flow_comes_after_the_transfers_the_window_held_back(tmp_path):
     """A drain that runs the channel dry is answered with a flow whose delivery-count counts every
     transfer: it must not reach the client before transfers the window still holds back."""
@@ -866,9 +890,10 @@ async def test_rcv_settle_mode_second_consuming_our_settlement_follows_the_clien
         assert channel.in_flight_count == 0 and not link.detach_received
 
 
-async def test_rcv_settle_mode_second_publishing_leaves_our_outcome_unsettled(tmp_path):
-    """Spec 2.8.3: a receiver in mode second does not settle before the sender: our accepted
-    goes out unsettled, the client settles it."""
+async def test_rcv_settle_mode_second_publishing_is_answered_first_and_settled(tmp_path):
+    """Spec 2.7.3: the receiver states its rcv-settle-mode. A publisher asking for second gets
+    first and a settled accepted: Azure's pyamqp sender asks for second and waited for a settled
+    outcome until its send timed out (the message stored; a retry duplicated it)."""
     async with gateway(tmp_path) as nsqd:
         nsqd.declare("t", "c")
         client = await Client.connect(nsqd.amqp_port)
@@ -876,10 +901,10 @@ async def test_rcv_settle_mode_second_publishing_leaves_our_outcome_unsettled(tm
         link = client.session.attach("second", p.SENDER)
         link.attach(p.Source(), p.Target("/topics/t"), snd_settle_mode=p.SND_UNSETTLED, rcv_settle_mode=p.RCV_SECOND)
         await client.until(lambda: link.attach_received and link.credit)
-        assert link.remote_attach.target is not None and link.remote_attach.rcv_settle_mode == p.RCV_SECOND
+        assert link.remote_attach.target is not None and link.remote_attach.rcv_settle_mode == p.RCV_FIRST
         assert await client.publish(link, [b"x"]) == [p.Accepted()]
-        assert [(d.role, d.settled) for d in seen] == [(p.RECEIVER, False)]
-        await client.for_a_while(0.1)   # the client's settlement is taken quietly
+        assert [(d.role, d.settled) for d in seen] == [(p.RECEIVER, True)]
+        await client.for_a_while(0.1)
         assert nsqd.topics["t"].channels["c"].depth == 1 and not client.conn.finished
 
 
