@@ -1,10 +1,13 @@
-"""Message ids: 16 lowercase hex digits, unique per daemon across restarts.
+"""Message ids: 16 lowercase hex digits, unique per daemon across restarts, in nsqd's layout.
 
-Like nsqd's guid the value is ``ms timestamp << 22 | node_id << 12 | sequence``
-but the sequence simply counts on: each batch starts at the larger of the
-counter and the current clock value, so ids stay time-ordered, a restart
-(later clock) never reuses an id while the long-run rate stays below 4M ids/s,
-and minting a batch is one clock read plus one cheap format per id.
+As nsqd's guid the value is ``tick << 22 | node_id << 12 | sequence``, where
+a tick is ``UnixNano >> 20`` (about a millisecond) counted from nsqd's epoch,
+so ids decode as Go's do and daemons with different ``--node-id`` never mint
+the same id. A tick holds 4,096 ids; where nsqd sleeps into the next tick
+once they are used, a batch here borrows the ticks after it (a 100,000-message
+``MPUB`` runs about 25 ms ahead of the clock), and the next batch starts at the
+later of that and the clock. A batch is one clock read plus one cheap format
+per id.
 """
 
 from __future__ import annotations
@@ -14,35 +17,65 @@ import time
 _LOW_DIGITS = [b"%02x" % i for i in range(256)]
 #: ids are 64 bits (16 hex digits, the width of the frame's id field)
 ID_LIMIT = 1 << 64
+#: nsqd's epoch, in its ticks (it subtracts this from ``UnixNano >> 20``)
+TWEPOCH = 1288834974288
+SEQUENCE_BITS = 12
+TICK_SHIFT = 22
+PER_TICK = 1 << SEQUENCE_BITS
+#: a saved floor further ahead of the clock than this (a day of ticks) is not followed: it was
+#: written in this daemon's earlier layout (unix milliseconds << 22, far above nsqd's), or edited
+FLOOR_AHEAD_TICKS = 86_400 * 1_000_000_000 >> 20
+
+
+def clock_tick() -> int:
+    return (time.time_ns() >> 20) - TWEPOCH
 
 
 class GUIDFactory:
     def __init__(self, node_id: int, floor: int = 0) -> None:
+        """``floor``: no id below it is minted (the saved last id + 1), unless it is far ahead."""
         if not 0 <= node_id < 1024:
             raise ValueError(f"node id {node_id} out of range 0-1023")
-        self._node_bits = node_id << 12
-        self._next = max(floor, self._clock())
-
-    def _clock(self) -> int:
-        return (time.time_ns() // 1_000_000) << 22 | self._node_bits
+        self._node_bits = node_id << SEQUENCE_BITS
+        now = clock_tick()
+        floor_tick = floor >> TICK_SHIFT
+        #: the tick being used and its next sequence number
+        self._tick, self._sequence = now, 0
+        if now <= floor_tick <= now + FLOOR_AHEAD_TICKS:  # ids up to the floor may be ahead of the clock
+            self._tick = floor_tick + 1
+        self._last = floor - 1 if floor else 0
 
     def new_ids(self, count: int) -> list[bytes]:
-        start = max(self._next, self._clock())
-        if start + count > ID_LIMIT:  # a floor near the top (an edited nsqd.dat): the clock is far below it
-            start = self._clock()
-        self._next = stop = start + count
-        if count == 1:  # a single PUB
-            return [b"%016x" % start]
-        # consecutive ids share all but their last two hex digits: format the
-        # shared prefix once per 256 ids and append the digits from a table
+        now = clock_tick()
+        if now > self._tick:
+            self._tick, self._sequence = now, 0
+        tick, sequence = self._tick, self._sequence
+        node_bits = self._node_bits
+        if count == 1 and sequence < PER_TICK:  # a single PUB
+            value = tick << TICK_SHIFT | node_bits | sequence
+            self._sequence = sequence + 1
+            self._last = value
+            return [b"%016x" % value]
         ids: list[bytes] = []
-        n = start
-        while n < stop:
-            low = n & 0xFF
-            take = min(stop - n, 256 - low)
-            prefix = b"%014x" % (n >> 8)
-            ids += [prefix + digits for digits in _LOW_DIGITS[low:low + take]]
-            n += take
+        left = count
+        while left:
+            if sequence == PER_TICK:
+                tick, sequence = tick + 1, 0
+            run = min(left, PER_TICK - sequence)
+            n = tick << TICK_SHIFT | node_bits | sequence
+            stop = n + run
+            # consecutive ids share all but their last two hex digits: format the shared
+            # prefix once per 256 ids and append the digits from a table
+            while n < stop:
+                low = n & 0xFF
+                take = min(stop - n, 256 - low)
+                prefix = b"%014x" % (n >> 8)
+                ids += [prefix + digits for digits in _LOW_DIGITS[low:low + take]]
+                n += take
+            sequence += run
+            left -= run
+            self._last = stop - 1
+        self._tick, self._sequence = tick, sequence
         return ids
 
     def new_id(self) -> bytes:
@@ -51,4 +84,4 @@ class GUIDFactory:
     @property
     def last(self) -> int:
         """The highest value handed out so far (persisted as a floor)."""
-        return self._next - 1
+        return self._last

@@ -1,32 +1,53 @@
-"""Message ids: format, order, uniqueness across batches and restarts."""
+"""Message ids: nsqd's layout, format, order, uniqueness across batches, nodes and restarts."""
 
-from nsqd.guid import GUIDFactory
+import time
+
+from nsqd.guid import TWEPOCH, GUIDFactory
 
 
-def test_ids_are_16_hex_digits_consecutive_across_prefix_boundaries():
+def fields(msg_id: bytes) -> tuple[int, int, int]:
+    """(tick, node id, sequence) as nsqd's guid lays them out."""
+    value = int(msg_id, 16)
+    return value >> 22, (value >> 12) & 0x3FF, value & 0xFFF
+
+
+def test_ids_are_16_hex_digits_in_order_across_prefix_and_tick_boundaries():
     factory = GUIDFactory(7)
-    batches = [factory.new_ids(n) for n in (1, 255, 256, 300, 1000)]
+    batches = [factory.new_ids(n) for n in (1, 255, 256, 300, 1000, 5000, 1)]
     ids = [i for batch in batches for i in batch]
     values = [int(i, 16) for i in ids]
     assert all(len(i) == 16 and i == i.lower() for i in ids)
     assert values == sorted(values) and len(set(values)) == len(values)
-    assert all(b - a == 1 for a, b in zip(values, values[1:]) if b - a < 1000)
     assert ids == [b"%016x" % v for v in values]
+    assert factory.last == values[-1]
+
+
+def test_ids_decode_as_nsqds_and_keep_their_node_id_in_big_batches():
+    """A batch of more than 4,096 ids in one millisecond counted on into the node id's bits:
+    100,000 ids from node 1 overlapped node 2's (884 ids delivered by both daemons)."""
+    one, two = GUIDFactory(1), GUIDFactory(2)
+    ids_one = one.new_ids(100_000) + one.new_ids(100_000)
+    ids_two = [two.new_id() for _ in range(5000)] + two.new_ids(100_000)
+    assert not set(ids_one) & set(ids_two)
+    assert {fields(i)[1] for i in ids_one} == {1} and {fields(i)[1] for i in ids_two} == {2}
+    tick = fields(ids_two[0])[0]
+    assert abs(((tick + TWEPOCH) << 20) / 1e9 - time.time()) < 60  # Go: (tick + twepoch) << 20 is UnixNano
 
 
 def test_restart_with_saved_floor_never_repeats():
     first = GUIDFactory(3)
-    last = int(first.new_ids(5000)[-1], 16)
+    last = int(first.new_ids(1_000_000)[-1], 16)  # about 250 ticks ahead of the clock
     assert first.last == last
     again = GUIDFactory(3, floor=first.last + 1)
     assert int(again.new_id(), 16) > last
+    assert int(again.new_ids(10)[0], 16) > last
 
 
-def test_a_floor_at_the_top_of_the_id_space_goes_back_to_the_clock():
-    # a floor from an edited nsqd.dat near 2**64 minted 17-digit ids, which overran the frame's id field
-    near_top = GUIDFactory(3, floor=(1 << 64) - 3)
-    ids = near_top.new_ids(2) + near_top.new_ids(10) + [near_top.new_id() for _ in range(300)]
-    assert ids[:2] == [b"fffffffffffffffd", b"fffffffffffffffe"]
-    assert all(len(i) == 16 for i in ids) and len(set(ids)) == len(ids)
-    clock_based = int(GUIDFactory(3).new_id(), 16)
-    assert clock_based <= int(ids[2], 16) < 1 << 63  # past the top: clock values, as a fresh start mints
+def test_a_floor_far_ahead_of_the_clock_is_not_followed():
+    """A floor from this daemon's earlier layout (unix ms << 22) or an edited nsqd.dat near 2**64:
+    ids go on from the clock, 16 digits, never past the frame's id field."""
+    for floor in ((1 << 64) - 3, (time.time_ns() // 1_000_000) << 22):
+        factory = GUIDFactory(3, floor=floor)
+        ids = factory.new_ids(2) + factory.new_ids(10) + [factory.new_id() for _ in range(300)]
+        assert all(len(i) == 16 for i in ids) and len(set(ids)) == len(ids)
+        assert abs(((fields(ids[0])[0] + TWEPOCH) << 20) / 1e9 - time.time()) < 60
