@@ -436,6 +436,19 @@ async def test_topic_create_pause_unpause_empty_delete(nsqd_server, http):
     await wait_for_metadata(nsqd_server, lambda d: d["topics"] == [])
 
 
+async def test_pauses_one_after_another_are_each_answered_once_saved_without_a_fixed_wait(nsqd_server, http):
+    """A pause is answered once nsqd.dat holds it (as Go); the writer then rested a fixed 50 ms,
+    so nsqadmin's pauses one after another took 45 ms each (Go: under 1 ms). It now rests as long
+    as the save took."""
+    assert_ok_empty(await http.post("/topic/create?topic=t"))
+    start = trio.current_time()
+    for _ in range(20):
+        assert_ok_empty(await http.post("/topic/pause?topic=t"))
+        assert_ok_empty(await http.post("/topic/unpause?topic=t"))
+    assert trio.current_time() - start < 1.0  # was 1.8 s
+    await wait_for_metadata(nsqd_server, lambda d: d["topics"] == [{"channels": [], "name": "t", "paused": False}])
+
+
 async def test_channel_create_pause_unpause_empty_delete(nsqd_server, http):
     assert_ok_empty(await http.post("/topic/create?topic=t"))
     assert_ok_empty(await http.post("/channel/create?topic=t&channel=c"))
