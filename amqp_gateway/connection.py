@@ -150,6 +150,10 @@ class Connection:
         self.free_partial_bytes = free_partial_bytes
         #: bytes taken from ``partial_budget``
         self.partial_reserved = 0
+        #: links with an unfinished delivery, the one that has waited longest for its end first,
+        #: each with the number of that delivery among all the connection's multi-frame ones
+        self.unfinished: dict = {}
+        self.unfinished_count = 0
         #: complete frames are left: call ``receive_data(b"")`` to go on
         self.more = False
         #: AMQP frames received other than empty ones (heartbeats), which change nothing
@@ -208,6 +212,11 @@ class Connection:
         if excess > 0:
             self.partial_reserved -= excess
             self.partial_budget.give_back(excess)
+
+    @property
+    def oldest_unfinished(self) -> int | None:
+        """The number of the unfinished delivery that has waited longest for its end (None: none has)."""
+        return next(iter(self.unfinished.values()), None)
 
     def release_partials(self) -> None:
         """The connection is over: everything it took from the shared budget goes back."""
@@ -501,6 +510,7 @@ class Connection:
             session.forget_links()
         self.sessions.clear()
         self._remote_sessions.clear()
+        self.unfinished.clear()
 
     def _on_open(self, open_: Open, events: list) -> None:
         if self.open_received:

@@ -357,9 +357,9 @@ class GatewayConnection:
         self.engine.close(Error(RESOURCE_LIMIT_EXCEEDED, "idle timeout: no frame from the client in time"))
 
     def partials_expired(self, seconds: float) -> None:
-        log.info("AMQP unfinished deliveries held shared memory too long", client=self.remote_address)
-        self.engine.close(Error(RESOURCE_LIMIT_EXCEEDED, f"unfinished deliveries held memory shared with other "
-                                                         f"clients for more than {seconds:g} s"))
+        log.info("AMQP unfinished delivery not completed in time", client=self.remote_address)
+        self.engine.close(Error(RESOURCE_LIMIT_EXCEEDED, f"unfinished deliveries: one was not completed within "
+                                                         f"{seconds:g} s of its first frame"))
 
     def connection_lost(self) -> None:
         """The connection is over: consumers leave their channels (requeueing what they had), and

@@ -78,9 +78,9 @@ HANDSHAKE_TIMEOUT = 5.0
 #: seconds a client has from connecting to its ``open`` (headers, SASL), its own time only: a
 #: silent or dribbling socket held a connection slot until the idle cut (RabbitMQ allows 10 s)
 OPEN_TIMEOUT = 10.0
-#: seconds unfinished multi-frame deliveries may hold memory shared with other clients
-#: (``--max-body-memory``, past the connection's free allowance), as an HTTP body must arrive
-#: within 60 s: a client that sent heartbeats and never the last frame held it for good
+#: seconds a multi-frame delivery has from its first frame to its last, as an HTTP body must
+#: arrive within 60 s: a client that sent heartbeats and never the last frame held its memory
+#: for good (past the connection's free 1 MiB, ``--max-body-memory`` shared with others)
 PARTIAL_TIMEOUT = 60.0
 
 
@@ -243,6 +243,7 @@ class Driver:
         idle = 2 * self.idle_timeout if self.idle_timeout else math.inf
         open_by = trio.current_time() + OPEN_TIMEOUT
         partials_by = math.inf
+        oldest = None  # the unfinished delivery partials_by is for (its number)
         while not engine.finished:
             deadline = trio.current_time() + idle
             if not engine.open_received:
@@ -283,10 +284,9 @@ class Driver:
                     break
                 await trio.lowlevel.checkpoint()
                 gateway.receive_data(b"", self.nsqd.now_ns())
-            if not engine.partial_reserved:
-                partials_by = math.inf
-            elif partials_by == math.inf:
-                partials_by = now + PARTIAL_TIMEOUT
+            if engine.oldest_unfinished is not oldest:
+                oldest = engine.oldest_unfinished
+                partials_by = math.inf if oldest is None else now + PARTIAL_TIMEOUT
             if engine.close_sent:  # ours, for a fault: a moment for the peer to read it, no more
                 break
         await self._linger()

@@ -222,6 +222,7 @@ class Session:
         self._forgo_partial(link)
         link.partial = None
         link.partial_unkept = False
+        self.connection.unfinished.pop(link, None)
 
     def _forgo_partial(self, link: Link) -> None:
         """Give back the bytes kept of the link's unfinished delivery."""
@@ -345,6 +346,9 @@ class Session:
             link.partial = partial = []
             link.partial_size = 0
             link.partial_head = (did, tag, settled)
+            connection = self.connection
+            connection.unfinished_count += 1
+            connection.unfinished[link] = connection.unfinished_count
         else:
             did = fields[1] if n > 1 else None
             if did is not None and did != link.partial_head[0]:

@@ -425,6 +425,39 @@ async def test_unfinished_deliveries_hold_shared_memory_only_for_a_while(tmp_pat
         await still_serving(nsqd)
 
 
+async def test_an_unfinished_delivery_within_the_free_allowance_must_end_in_time_too(tmp_path, logs, monkeypatch):
+    """A connection's first 1 MiB of unfinished deliveries is not taken from --max-body-memory, and
+    only what was taken had a deadline: 600 clients each holding 1 MB of a 2 MB delivery, with
+    heartbeats, held 774 MB for as long as they liked. Now every multi-frame delivery must end
+    within PARTIAL_TIMEOUT of its first frame. One that keeps completing deliveries is not cut."""
+    monkeypatch.setattr(amqp_server, "PARTIAL_TIMEOUT", 0.6)
+    async with gateway(tmp_path) as nsqd:
+        holder = await Client.connect(nsqd.amqp_port)
+        start_unfinished(await holder.attach(p.SENDER, "/topics/held"))  # 900 KB: all of it free
+        await holder.flush()
+        await eventually(lambda: any(getattr(c, "engine", None) and c.engine.partial_bytes for c in nsqd.clients.values()))
+        busy = await Client.connect(nsqd.amqp_port)
+        link = await busy.attach(p.SENDER, "/topics/busy")
+        started = trio.current_time()
+        sent = 0
+        with trio.fail_after(5):
+            while not holder.conn.close_received:
+                await holder.stream.send_all(b"\x00\x00\x00\x08\x02\x00\x00\x00")  # heartbeats only
+                with trio.move_on_after(0.1):
+                    await holder.read()
+                if trio.current_time() - started < 1.2:  # multi-frame messages, one after another
+                    (outcome,) = await busy.publish(link, [b"m" * 300_000])  # three frames each
+                    assert isinstance(outcome, p.Accepted)
+                    sent += 1
+        assert nsqd.body_budget.used == 0
+        (closed,) = holder.take(ev.ConnectionClosed)
+        assert closed.error.condition == RESOURCE_LIMIT_EXCEEDED and "completed within" in closed.error.description
+        assert 0.5 < trio.current_time() - started < 3
+        assert await hung_up_within(holder.stream, 3)
+        await trio.sleep(max(0, started + 1.3 - trio.current_time()))
+        assert not busy.conn.close_received and nsqd.topics["busy"].message_count == sent > 3
+
+
 async def test_a_client_that_does_not_open_in_time_is_hung_up_on(tmp_path, logs, monkeypatch):
     """Silent sockets, or one dribbling a header byte now and then, held connection slots (shared
     with NSQ clients) until the idle cut, 120 s; now OPEN_TIMEOUT from connecting (RabbitMQ: 10 s)."""
