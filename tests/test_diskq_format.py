@@ -252,10 +252,22 @@ def test_metadata_round_trip_and_rejections(tmp_path):
         (b"{garbage", "JSON"),
         (b"[1, 2]", "object"),
         (tampered, "checksum"),
-        (encode_metadata(meta).replace(b'"version": 3', b'"version": 9'), "version"),
+        (encode_metadata(meta).replace(b'"version":3', b'"version":9'), "version"),
     ]:
         with pytest.raises(ValueError, match=reason):
             decode_metadata(bad)
+
+
+def test_metadata_written_with_spaces_and_the_checksum_among_the_keys_is_still_read():
+    """Files written before the checksum went last, in one serialisation, are read as they were."""
+    fields = {"version": 3, "read_segment": 1, "read_position": 16, "write_segment": 3, "write_position": 999,
+              "depth": 2, "release_segment": -1, "release_position": 0, "kept": [[20, 40], [50, 50, {"d": 7}]],
+              "kept_count": 2, "sequence": 4}
+    checksum = zlib.crc32(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode())
+    old = (json.dumps({**fields, "checksum": checksum}, sort_keys=True) + "\n").encode()
+    meta = decode_metadata(old)
+    assert (meta.depth, meta.kept, meta.sequence) == (2, ((20, 40, None), (50, 50, {"d": 7})), 4)
+    assert decode_metadata(encode_metadata(meta)) == meta
 
 
 def test_checkpoint_file_is_overwritten_in_place_and_the_newest_save_wins(tmp_path):

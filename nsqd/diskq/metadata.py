@@ -71,9 +71,13 @@ def _checksum(fields: dict) -> int:
 
 
 def encode_metadata(meta: Metadata) -> bytes:
+    """The fields as compact JSON with sorted keys (what the checksum is taken of), and the
+    checksum added last: one serialisation, which for a channel keeping 100,000 deferred
+    messages' notes is most of a checkpoint's cost."""
     fields = {"version": METADATA_VERSION, **{name: getattr(meta, name) for name in _FIELDS}}
-    fields["kept"] = [[first, last] if note is None else [first, last, note] for first, last, note in meta.kept]
-    return (json.dumps({**fields, "checksum": _checksum(fields)}, sort_keys=True) + "\n").encode("ascii")
+    fields["kept"] = [(first, last) if note is None else (first, last, note) for first, last, note in meta.kept]
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode("ascii")
+    return b"%s,\"checksum\":%d}\n" % (canonical[:-1], zlib.crc32(canonical))
 
 
 def decode_metadata(data: bytes) -> Metadata:
