@@ -12,7 +12,6 @@ a daemon it discovered.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
