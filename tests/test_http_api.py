@@ -403,6 +403,7 @@ async def test_publish_the_disk_refuses_is_503_with_the_reason(nsqd_server, http
     topic = nsqd_server.topics["t"]
     topic.publish = disk_full
     topic.backend.failing = "No space left on device"  # as a full disk leaves the queue: /ping stays NOK
+    nsqd_server._room_to_write = lambda: False  # and the writer's probe of the disk finds no room either
     assert_error(await http.post("/pub?topic=t", b"x"), 503, "PUB_FAILED: cannot store: No space left on device")
     assert_error(await http.post("/mpub?topic=t", b"x\ny"), 503,
                  "MPUB_FAILED: cannot store: No space left on device")
