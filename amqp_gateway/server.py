@@ -284,7 +284,7 @@ class Driver:
                     break
                 await trio.lowlevel.checkpoint()
                 gateway.receive_data(b"", self.nsqd.now_ns())
-            if engine.oldest_unfinished is not oldest:
+            if engine.oldest_unfinished != oldest:
                 oldest = engine.oldest_unfinished
                 partials_by = math.inf if oldest is None else now + PARTIAL_TIMEOUT
             if engine.close_sent:  # ours, for a fault: a moment for the peer to read it, no more
