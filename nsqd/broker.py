@@ -43,7 +43,7 @@ from .channel import Channel, ChannelExiting
 from .diskq import goimport, naming
 from .diskq import lock as diskq_lock
 from .diskq.trash import TrashBin
-from .guid import ID_LIMIT, GUIDFactory
+from .guid import ID_LIMIT, GUIDFactory, start_ahead
 from .mpub import STEP_MESSAGES
 from .names import is_valid_channel_name, is_valid_topic_name
 from .options import OVERFLOW_POLICIES, TLS_NOT_REQUIRED, Options, OptionsError
@@ -241,7 +241,7 @@ class Broker:
         self.topics: dict[str, Topic] = {}
         #: connections, for /stats producers and client counts
         self.clients: dict[int, object] = {}
-        self.guid = GUIDFactory(options.node_id)
+        self.guid = GUIDFactory(options.node_id, ahead=start_ahead(options.max_body_size))
         self.tls_context = tls.server_context(options)
         if options.tls_required != TLS_NOT_REQUIRED and self.tls_context is None:
             raise OptionsError("--tls-required needs --tls-cert and --tls-key")
@@ -802,7 +802,8 @@ class Broker:
                 f"{path} is not valid nsqd metadata ({exc}): move it aside to start without it (topics and "
                 f"channels with queues on disk come back at start, with default policies, unpaused) or restore "
                 f"it from a backup") from None
-        self.guid = GUIDFactory(self.options.node_id, floor=int(data.get("last_message_id", 0)) + 1)
+        self.guid = GUIDFactory(self.options.node_id, floor=int(data.get("last_message_id", 0)) + 1,
+                                ahead=start_ahead(self.options.max_body_size))
         self._loading = True
         try:
             for t in data.get("topics") or []:

@@ -7,11 +7,12 @@ the same id. A tick holds 4,096 ids; where nsqd sleeps into the next tick
 once they are used, a batch here borrows the ticks after it (a 100,000-message
 ``MPUB`` runs about 25 ms ahead of the clock), and the next batch starts at the
 later of that and the clock. A crash saves no ``last_message_id``, so a
-daemon starts a second ahead of the clock: once one has run for a second,
-what it minted ahead (at most about 0.27 s, by the largest ``MPUB``) is
-behind where the next start begins, however quick the restart (a younger one
-has its successor's start-up, about 0.3 s of imports alone, on its side). A
-batch is one clock read plus one cheap format per id.
+daemon starts ahead of the clock by a second plus the ticks the biggest
+body can take (an HTTP ``/mpub`` of one-byte lines: 2.6 million ids, 640
+ticks, in 5 MiB): once one has run that long, what it minted ahead is
+behind where the next start begins, however quick the restart (a younger
+one has its successor's start-up, about 0.3 s, on its side). A batch is
+one clock read plus one cheap format per id.
 """
 
 from __future__ import annotations
@@ -29,9 +30,13 @@ PER_TICK = 1 << SEQUENCE_BITS
 #: a saved floor further ahead of the clock than this (a day of ticks) is not followed: it was
 #: written in this daemon's earlier layout (unix milliseconds << 22, far above nsqd's), or edited
 FLOOR_AHEAD_TICKS = 86_400 * 1_000_000_000 >> 20
-#: how far ahead of the clock a daemon starts (a second of ticks): further than any batch runs
-#: ahead (a 5 MiB MPUB of one-byte messages, about a million ids, is 256 ticks)
+#: how far ahead of the clock a daemon starts, besides the ticks its biggest body can take
 START_AHEAD_TICKS = 1_000_000_000 >> 20
+
+
+def start_ahead(max_body_size: int) -> int:
+    """Ticks a daemon starts ahead: a second plus those of a body of one-byte messages (2 bytes each)."""
+    return START_AHEAD_TICKS + max_body_size // 2 // PER_TICK
 
 
 def clock_tick() -> int:
@@ -39,15 +44,16 @@ def clock_tick() -> int:
 
 
 class GUIDFactory:
-    def __init__(self, node_id: int, floor: int = 0) -> None:
-        """``floor``: no id below it is minted (the saved last id + 1), unless it is far ahead."""
+    def __init__(self, node_id: int, floor: int = 0, ahead: int = START_AHEAD_TICKS) -> None:
+        """``floor``: no id below it is minted (the saved last id + 1), unless it is far ahead;
+        ``ahead``: ticks ahead of the clock to start at (see :func:`start_ahead`)."""
         if not 0 <= node_id < 1024:
             raise ValueError(f"node id {node_id} out of range 0-1023")
         self._node_bits = node_id << SEQUENCE_BITS
         now = clock_tick()
         floor_tick = floor >> TICK_SHIFT
         #: the tick being used and its next sequence number
-        self._tick, self._sequence = now + START_AHEAD_TICKS, 0
+        self._tick, self._sequence = now + ahead, 0
         if now <= floor_tick <= now + FLOOR_AHEAD_TICKS:  # ids up to the floor may be ahead of the clock
             self._tick = max(self._tick, floor_tick + 1)
         self._last = floor - 1 if floor else 0

@@ -54,6 +54,12 @@ def test_a_restart_after_a_crash_never_mints_the_ids_a_big_batch_ran_ahead_with(
     monkeypatch.setattr(guid, "clock_tick", lambda: now)
     last = int(before.new_ids(1_000_000)[-1], 16)  # a 5 MiB MPUB of one-byte messages: 245 ticks ahead
     assert int(GUIDFactory(3).new_id(), 16) > last
+    huge = 12 * 1024 * 1024  # --max-body-size=12MiB: an HTTP /mpub of 6.3 million one-byte lines
+    monkeypatch.setattr(guid, "clock_tick", lambda: now - 5000)
+    before = GUIDFactory(3, ahead=guid.start_ahead(huge))
+    monkeypatch.setattr(guid, "clock_tick", lambda: now)
+    last = int(before.new_ids(huge // 2)[-1], 16)  # 1,536 ticks ahead: more than the second
+    assert int(GUIDFactory(3, ahead=guid.start_ahead(huge)).new_id(), 16) > last
 
 
 def test_a_floor_far_ahead_of_the_clock_is_not_followed():
