@@ -71,7 +71,6 @@ from .accept import accept_loop
 from .client_v2 import ClientV2
 from .compression import CorruptStream, DeflateStream, SnappyStream
 from .options import host_of, join_host_port
-from .body_budget import BIG_BODY
 from .broker import PublishError
 from .protocol_v2 import HEARTBEAT, MAGIC_V2, ProtocolV2, Unconfirmed
 from .readiness import ReadinessHub
@@ -365,9 +364,11 @@ class Connection:
 
     def _fit_body_reservation(self) -> bool:
         """Hold as much of the shared body budget as the partial command now buffered needs
-        (nothing unless its body is big); False if that needs room the budget lacks now."""
+        (nothing for one that one read can bring whole); False if that needs room the budget
+        lacks now. Every body past a read counts, not only those past 1 MiB (HTTP's): 2,000
+        clients that each stalled one byte short of a 1,040,000-byte PUB held 2.6 GB."""
         need = self.protocol.parser.awaiting if not self._gone else 0
-        if need <= BIG_BODY:
+        if need <= RECEIVE_SIZE:
             need = 0
         held = self._body_reserved
         if need == held:

@@ -224,6 +224,41 @@ async def test_clients_that_stall_in_big_bodies_hold_at_most_max_body_memory(tmp
         daemon.stop()
 
 
+async def test_clients_that_stall_in_bodies_under_a_mebibyte_hold_at_most_max_body_memory(tmp_path):
+    """Bodies up to 1 MiB took nothing from the budget: 2,000 clients that each sent all but one
+    byte of a 1,040,000-byte PUB held 2.6 GB. Every body that one read cannot bring whole counts."""
+    daemon = Subprocess(tmp_path, "--max-body-memory=4194304")
+    try:
+        before = daemon.memory_mb()
+        size = 1_040_000
+        stalled = await trio.to_thread.run_sync(
+            lambda: [_stall_in_a_pub_body(daemon.tcp, size) for _ in range(60)])
+        await trio.sleep(0.5)
+        after = daemon.memory_mb()
+        held = await _metric(daemon.http, "nsqd_body_memory_bytes")
+        assert 0 < held <= 4 * MIB and held % (len(b"PUB t\n") + 4 + size) == 0  # whole commands that fit
+        assert await _metric(daemon.http, "nsqd_body_memory_waits_total") >= 1
+        assert after["VmHWM"] - before["VmRSS"] < 40, (before, after)  # 60 MB held before
+        for sock in stalled:
+            sock.close()
+        with trio.fail_after(5):
+            while await _metric(daemon.http, "nsqd_body_memory_bytes"):
+                await trio.sleep(0.05)
+    finally:
+        daemon.stop()
+
+
+def _stall_in_a_pub_body(port: int, size: int) -> socket.socket:
+    """A client that sends all but the last byte of a PUB of ``size`` bytes and stalls."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.settimeout(0.05)
+    try:
+        sock.sendall(b"  V2PUB t\n" + struct.pack(">i", size) + b"z" * (size - 1))
+    except TimeoutError:  # the daemon stopped reading: the kernel's buffers are full
+        pass
+    return sock
+
+
 async def _metric(http_port: int, name: str) -> float:
     text = (await HTTPClient(http_port).get("/metrics")).body.decode()
     return float(next(line.split()[1] for line in text.splitlines() if line.startswith(name + " ")))
