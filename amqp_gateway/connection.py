@@ -151,9 +151,10 @@ class Connection:
         #: bytes taken from ``partial_budget``
         self.partial_reserved = 0
         #: links with an unfinished delivery, the one that has waited longest for its end first,
-        #: each with the number of that delivery among all the connection's multi-frame ones
+        #: each with the :attr:`now` of that delivery's first frame
         self.unfinished: dict = {}
-        self.unfinished_count = 0
+        #: the I/O layer's clock (seconds) for the bytes being received: when deliveries start
+        self.now = 0.0
         #: complete frames are left: call ``receive_data(b"")`` to go on
         self.more = False
         #: AMQP frames received other than empty ones (heartbeats), which change nothing
@@ -214,8 +215,8 @@ class Connection:
             self.partial_budget.give_back(excess)
 
     @property
-    def oldest_unfinished(self) -> int | None:
-        """The number of the unfinished delivery that has waited longest for its end (None: none has)."""
+    def oldest_unfinished(self) -> float | None:
+        """When the unfinished delivery that has waited longest for its end started (None: none has)."""
         return next(iter(self.unfinished.values()), None)
 
     def release_partials(self) -> None:

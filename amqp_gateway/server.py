@@ -243,7 +243,6 @@ class Driver:
         idle = 2 * self.idle_timeout if self.idle_timeout else math.inf
         open_by = trio.current_time() + OPEN_TIMEOUT
         partials_by = math.inf
-        oldest = None  # the unfinished delivery partials_by is for (its number)
         while not engine.finished:
             deadline = trio.current_time() + idle
             if not engine.open_received:
@@ -265,6 +264,7 @@ class Driver:
                 break
             if not data:
                 return
+            engine.now = now
             gateway.receive_data(data, self.nsqd.now_ns())
             while True:
                 while gateway.auth_pending or gateway.pending:
@@ -284,9 +284,8 @@ class Driver:
                     break
                 await trio.lowlevel.checkpoint()
                 gateway.receive_data(b"", self.nsqd.now_ns())
-            if engine.oldest_unfinished != oldest:
-                oldest = engine.oldest_unfinished
-                partials_by = math.inf if oldest is None else now + PARTIAL_TIMEOUT
+            started = engine.oldest_unfinished
+            partials_by = math.inf if started is None else started + PARTIAL_TIMEOUT
             if engine.close_sent:  # ours, for a fault: a moment for the peer to read it, no more
                 break
         await self._linger()

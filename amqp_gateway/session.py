@@ -346,9 +346,7 @@ class Session:
             link.partial = partial = []
             link.partial_size = 0
             link.partial_head = (did, tag, settled)
-            connection = self.connection
-            connection.unfinished_count += 1
-            connection.unfinished[link] = connection.unfinished_count
+            self.connection.unfinished[link] = self.connection.now
         else:
             did = fields[1] if n > 1 else None
             if did is not None and did != link.partial_head[0]:

@@ -458,6 +458,36 @@ async def test_an_unfinished_delivery_within_the_free_allowance_must_end_in_time
         assert not busy.conn.close_received and nsqd.topics["busy"].message_count == sent > 3
 
 
+async def test_an_unfinished_deliverys_deadline_counts_from_its_own_first_frame(tmp_path, logs, monkeypatch):
+    """Two links, a delivery started on each; the first is completed, the second never: it had
+    its deadline counted from when the first ended, so a client completing one a minute kept
+    others unfinished for as long as it liked."""
+    monkeypatch.setattr(amqp_server, "PARTIAL_TIMEOUT", 1.0)
+    async with gateway(tmp_path) as nsqd:
+        holder = await Client.connect(nsqd.amqp_port)
+        first = await holder.attach(p.SENDER, "/topics/first")
+        second = await holder.attach(p.SENDER, "/topics/second")
+        start_unfinished(first)
+        await holder.flush()
+        await trio.sleep(0.2)
+        start_unfinished(second)
+        await holder.flush()
+        started = trio.current_time()
+        await trio.sleep(0.7)
+        session = first.session
+        session.send(p.Transfer(first.handle, more=False), b"x" * 1000)  # the first one ends (not a message)
+        session.frames_sent(1)
+        await holder.flush()
+        with trio.fail_after(5):
+            while not holder.conn.close_received:
+                await holder.stream.send_all(b"\x00\x00\x00\x08\x02\x00\x00\x00")  # heartbeats only
+                with trio.move_on_after(0.05):
+                    await holder.read()
+        (closed,) = holder.take(ev.ConnectionClosed)
+        assert closed.error.condition == RESOURCE_LIMIT_EXCEEDED
+        assert 0.9 < trio.current_time() - started < 1.5  # from the second's first frame: not 0.7 + 1.0
+
+
 async def test_a_client_that_does_not_open_in_time_is_hung_up_on(tmp_path, logs, monkeypatch):
     """Silent sockets, or one dribbling a header byte now and then, held connection slots (shared
     with NSQ clients) until the idle cut, 120 s; now OPEN_TIMEOUT from connecting (RabbitMQ: 10 s)."""
