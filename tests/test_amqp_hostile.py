@@ -175,7 +175,9 @@ async def test_a_flood_of_tiny_frames_does_not_delay_ping(tmp_path, logs):
                 assert (await http.get("/ping")).status == 200
                 times.append(time.perf_counter() - start)
             nursery.cancel_scope.cancel()
-        assert max(times) < 0.1, sorted(times)
+        # the flood takes seconds to work through: a loop it held would hold /ping as long; one
+        # full collection in a whole-suite process took 0.13 s once, so the bound leaves room for it
+        assert max(times) < 0.5, sorted(times)
         await still_serving(nsqd)
 
 
