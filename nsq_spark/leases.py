@@ -9,11 +9,10 @@ connection reads one segment: a partition that wants more than
 so on, each on a connection of its own. Closing a connection releases its
 leases: they keep their messages and count in nobody's budget.
 
-The next connection is opened and subscribed while a segment fills. nsqd
-refills a connection only once an eighth of its RDY is free, so a segment in
-its last eighth gets nothing beyond what nsqd took for it already: the next
-segment starts then, and its messages are on their way while the current
-one's last arrive, so the partition reads in order without waiting. The
+The next connection is opened and subscribed while a segment fills. Once a
+segment is in its last eighth, the next starts (its RDY sent), and its
+messages are on their way while the current one's last arrive, so the
+partition reads on without waiting. The
 current connection is closed once its segment is full, or sealed first
 (``RDY 0``, ``LEASE``: the messages before the answer are its last) when it
 is not. Segments are opened in order and each holds at least one message,
