@@ -226,6 +226,22 @@ def free_port() -> int:
 SPAWNED: list[subprocess.Popen] = []
 
 
+def wait_for_ports(proc: subprocess.Popen, ports, describe_exit, timeout: float = 20) -> None:
+    """Wait until a daemon subprocess accepts connections on every port (127.0.0.1); if it exits
+    first, fail with ``describe_exit()`` (its log); past ``timeout``, TimeoutError."""
+    deadline = time.monotonic() + timeout
+    for port in ports:
+        while True:
+            assert proc.poll() is None, describe_exit()
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError("daemon did not start") from None
+                time.sleep(0.05)
+
+
 class Daemon:
     """``python -m nsqd`` as a real subprocess."""
 
@@ -259,17 +275,7 @@ class Daemon:
                     break
 
     def wait_ready_sync(self, timeout: float = 20) -> None:
-        deadline = time.monotonic() + timeout
-        for port in self.ready_ports:
-            while True:
-                assert self.proc.poll() is None, self.proc.stderr.read().decode()
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                    break
-                except OSError:
-                    if time.monotonic() >= deadline:
-                        raise TimeoutError("daemon did not start") from None
-                    time.sleep(0.05)
+        wait_for_ports(self.proc, self.ready_ports, lambda: self.proc.stderr.read().decode(), timeout)
 
     async def stop(self, sig=signal.SIGTERM) -> int:
         self.proc.send_signal(sig)

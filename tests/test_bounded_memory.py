@@ -7,7 +7,6 @@ import socket
 import struct
 import subprocess
 import sys
-import time
 from contextlib import asynccontextmanager
 
 import pytest
@@ -17,7 +16,8 @@ from amqp_gateway import performatives as p
 from nsqd import body_budget
 
 from .conftest import HTTPClient, http_port
-from .support import FRAME_MESSAGE, SPAWNED, NSQConnection, free_port, mpub_body, running_nsqd, tcp_port
+from .support import (FRAME_MESSAGE, SPAWNED, NSQConnection, free_port, mpub_body, running_nsqd, tcp_port,
+                      wait_for_ports)
 from .test_amqp_raw import Client
 
 MIB = 1024 * 1024
@@ -35,16 +35,7 @@ class Subprocess:
              "--shutdown-grace=0", f"--data-path={tmp_path / 'data'}", "--log-level=error", *args],
             stdout=subprocess.DEVNULL, stderr=self.log)
         SPAWNED.append(self.proc)
-        deadline = time.monotonic() + 20
-        for port in (self.tcp, self.http, self.amqp):
-            while True:
-                assert self.proc.poll() is None, (tmp_path / "nsqd.log").read_text()
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                    break
-                except OSError:
-                    assert time.monotonic() < deadline, "the daemon did not start"
-                    time.sleep(0.05)
+        wait_for_ports(self.proc, (self.tcp, self.http, self.amqp), (tmp_path / "nsqd.log").read_text)
 
     def memory_mb(self) -> dict[str, float]:
         """VmRSS (now) and VmHWM (the peak so far), in MiB."""

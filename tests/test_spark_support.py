@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
 
 from nsq_spark.client import FRAME_MESSAGE, Connection, body_command, mpub_body  # noqa: E402
-from tests.support import Daemon, free_port  # noqa: E402
+from tests.support import Daemon, free_port, wait_for_ports  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -92,16 +91,8 @@ class RestartableDaemon:
             [sys.executable, "-m", "nsqd", f"--tcp-address=127.0.0.1:{self.port}",
              f"--http-address=127.0.0.1:{self.http_port}", "--amqp-address=", f"--data-path={self.data_path}",
              "--log-level=warn", *self.args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 20
-        for port in (self.port, self.http_port):  # both: a test may ask /stats first thing
-            while True:
-                assert self.proc.poll() is None, self.proc.stderr.read().decode()
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                    break
-                except OSError:
-                    assert time.monotonic() < deadline, "the daemon did not start"
-                    time.sleep(0.05)
+        # both ports: a test may ask /stats first thing
+        wait_for_ports(self.proc, (self.port, self.http_port), lambda: self.proc.stderr.read().decode())
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         self.proc.send_signal(sig)
