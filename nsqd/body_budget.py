@@ -4,8 +4,9 @@ Each connection may hold one partial command, and a body may be
 ``--max-body-size`` (5 MiB): a few hundred clients that each send most of an
 ``MPUB`` body and stall (as Go nsqd, which allocates the body before reading
 it, would let them) held gigabytes until their read deadlines ran out. A
-connection about to receive a body over ``BIG_BODY`` takes the whole body's
-size from this budget first, and gives it back once the command is done or
+connection about to receive a big body (TCP: one that a read cannot bring
+whole; HTTP: over ``BIG_BODY``) takes the whole body's size from this budget
+first, and gives it back once the command is done or
 the connection ends; while the budget lacks room it reads nothing more
 (TCP's flow control holds the sender) for up to ``ROOM_WAIT``. A body is
 reserved whole before more of it is read, so clients waiting for room never

@@ -395,8 +395,8 @@ class Options:
     max_body_size: int = _opt("int", 5 * _MIB, "largest command body in bytes")
     max_body_memory: int = _opt(
         "int", 256 * _MIB, "most bytes of big bodies (TCP over 256 KiB, HTTP /mpub over 1 MiB) received at once "
-        "over all connections, AMQP multi-frame deliveries included; a body that would pass it waits up to 5 s for room, then is "
-        "refused (try again), an AMQP delivery at once (0: no limit)", exposed=False)
+        "over all connections, AMQP multi-frame deliveries included; a body that would pass it waits up to 5 s "
+        "for room, then is refused (try again), an AMQP delivery at once (0: no limit)", exposed=False)
     max_req_timeout: float = _opt("duration", 3600.0, "largest requeue delay")
     client_timeout: float = _opt(
         "duration", 60.0, "time without a heartbeat response before a client is dropped", exposed=False
