@@ -30,7 +30,7 @@ from .body_budget import BIG_BODY, NO_ROOM
 from .broker import PublishError, PublishInSteps, Receipt
 from .channel import ChannelExiting
 from .diskq import DiskQueueError
-from .mpub import BadBatch, LinesBatch, MpubBatch, split_lines, split_mpub
+from .mpub import BadBatch, LinesBatch, MpubBatch, cut_short, split_lines, split_mpub
 from .names import go_json_text, is_valid_channel_name, is_valid_topic_name
 from .options import (
     MAX_LOOKUPD_ADDRESSES, OVERFLOW_POLICIES, TLS_REQUIRED, OptionsError, host_of, parse_log_level, split_host_port,
@@ -133,12 +133,25 @@ class Request:
         """
         body = bytearray()
         while len(body) <= limit:
-            chunk = await self.receive()
+            try:
+                chunk = await self.receive()
+            except http_server.BrokenBody as exc:
+                raise BodyBroken(bytes(body), exc.detail) from None
             if not chunk:
                 break
             body += chunk
         del body[limit + 1:]
         return bytes(body)
+
+
+class BodyBroken(Exception):
+    """The body broke off (http_server.BrokenBody) after ``received``: Go's handlers answer a
+    failed read with 500, a binary ``/mpub`` with what its reader could not read."""
+
+    def __init__(self, received: bytes, detail: str) -> None:
+        super().__init__(detail)
+        self.received = received
+        self.detail = detail
 
 
 def _first(query: dict[str, list[str]], key: str) -> str | None:
@@ -315,6 +328,9 @@ class HTTPAPI:
         """The handler's status and result; any failure becomes a status and Go's message."""
         try:
             return 200, await handler(request, **params)
+        except (BodyBroken, http_server.BrokenBody) as exc:
+            log.info("HTTP request body broke off", uri=request.uri, error=exc.detail)
+            return 500, "INTERNAL_ERROR"
         except http_server.RequestAborted:  # the server answers (or drops) the client itself
             raise
         except HTTPError as err:
@@ -476,7 +492,14 @@ class HTTPAPI:
             if binary_param not in _BOOL_PARAMS:
                 log.warning("deprecated value used for /mpub binary param", value=binary_param)
         async with self._body_memory(request, opts.max_body_size, "MPUB"):
-            body = await request.read_body(opts.max_body_size)
+            try:
+                body = await request.read_body(opts.max_body_size)
+            except BodyBroken as exc:
+                if not binary:
+                    raise
+                # nsqd's reader fails on the part it could not read, whatever broke it
+                code, _ = cut_short(exc.received, opts.max_msg_size, opts.max_body_size)
+                raise HTTPError(413, code.removeprefix("E_")) from None
             if len(body) > opts.max_body_size:
                 raise HTTPError(413, "BODY_TOO_BIG")
             await self._mpub_body(topic_name, body, binary)

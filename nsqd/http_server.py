@@ -142,6 +142,15 @@ class BadRequest(RequestAborted):
         self.detail = detail or message
 
 
+class BrokenBody(BadRequest):
+    """The body's chunk framing broke, or the client stopped sending before its end. In Go the
+    handler's read fails and nsqd's handlers answer that themselves (``500 INTERNAL_ERROR``, a
+    binary ``/mpub``'s ``413``): the app may catch it; if not, the server answers 500."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(500, "INTERNAL_ERROR", detail)
+
+
 @dataclass
 class Request:
     """One request as the app sees it; ``receive`` gives the body piece by piece."""
@@ -598,7 +607,7 @@ class _Connection:
                     return False
         except h11.RemoteProtocolError:
             return False
-        return True
+        return conn.their_state is not h11.ERROR  # a body that broke off (BrokenBody)
 
     async def _receive_body(self) -> bytes:
         """The next piece of the request body, b"" when complete (Request.receive)."""
@@ -607,10 +616,9 @@ class _Connection:
             try:
                 event = conn.next_event()
             except h11.RemoteProtocolError as exc:
-                if self._peer_closed:  # it may only have shut down its sending side: Go answers 500
-                    raise BadRequest(500, "INTERNAL_ERROR", "the client closed before its body ended") from None
-                status = exc.error_status_hint
-                raise BadRequest(status, _STATUS_MESSAGES.get(status, "BAD_REQUEST"), str(exc)) from None
+                if self._peer_closed:  # it may only have shut down its sending side: answered all the same
+                    raise BrokenBody("the client closed before its body ended") from None
+                raise BrokenBody(str(exc)) from None
             if type(event) is h11.Data:
                 data = event.data
                 if event.chunk_start:  # the chunks before it are whole
@@ -630,8 +638,8 @@ class _Connection:
                 return b""  # EndOfMessage; PAUSED once it has been seen
             if _BARE_LF.search(conn.trailing_data[0]):
                 # h11 waits for the CRLF that ends a chunk's line, and gets a bare LF: it would wait
-                # until the body deadline (Go answers 400 at once, since CVE-2025-22871)
-                raise BadRequest(400, "BAD_REQUEST", "a line of the chunked body ends with a bare LF")
+                # until the body deadline (Go's read fails at once, since CVE-2025-22871)
+                raise BrokenBody("a line of the chunked body ends with a bare LF")
             if conn.they_are_waiting_for_100_continue:  # as Go's: the status line alone
                 await self._send(conn.send(h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")))
             self._set_deadline("body", self._body_deadline)
