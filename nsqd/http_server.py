@@ -370,6 +370,8 @@ class _Connection:
         self._peer_closed = False
         #: the last answer kept an HTTP/1.0 connection open (its request asked for keep-alive)
         self._kept_1_0 = False
+        #: the request being answered is a HEAD: its answers, errors too, carry no body
+        self._head_request = False
         #: how many more CR or LF bytes may be skipped before the next request line (after a POST)
         self._stray_allowed = 0
         #: the request body's chunks (chunked bodies) and bytes so far, and events since a turn was given
@@ -518,6 +520,7 @@ class _Connection:
         start = trio.current_time()
         head_deadline = start + limits.head_timeout
         started = bool(conn.trailing_data[0])
+        self._head_request = False
         self._wait()
         try:
             while True:
@@ -537,6 +540,7 @@ class _Connection:
                         continue  # stray line ends only
                     started = True
                 elif type(event) is h11.Request:
+                    self._head_request = event.method == b"HEAD"
                     self._set_deadline("app", math.inf)
                     refusal = _refusal(event, limits.max_head_size)
                     if refusal is not None:
@@ -658,7 +662,7 @@ class _Connection:
     async def _send_final(self, response: Response) -> None:
         """An error answer after which the connection closes (lingering: the client may be sending)."""
         self._linger = True
-        await self._send(self.server.serialise(self.h11, response, close=True))
+        await self._send(self.server.serialise(self.h11, response, close=True, head_only=self._head_request))
 
     async def _send_raw(self, data: bytes) -> None:
         """Bytes on the socket itself, under the send deadline (no TLS: it failed)."""

@@ -716,6 +716,26 @@ async def test_head_gets_the_headers_without_a_body(daemon):
     assert (await client.response()).body == b"OK"
 
 
+async def test_a_head_request_the_server_refuses_gets_its_error_without_a_body(daemon):
+    """The refusal's JSON body was handed to h11, which refuses a body for a HEAD: the connection
+    failed with a traceback and the client got nothing."""
+    cases = [
+        (b"HEAD /%zz HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+        (b"HEAD /ping HTTP/2.0\r\nHost: x\r\n\r\n", 505),
+        (b"HEAD ping HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+        (b"HEAD /ping HTTP/1.1\r\nHost: x\r\nX: " + b"a" * 15_000 + b"\r\nY: " + b"b" * 2_000 + b"\r\n\r\n", 431),
+    ]
+    with structlog.testing.capture_logs() as logs:
+        for request, status in cases:
+            client = await Raw.open(http_port(daemon))
+            await client.send(request)
+            head = await client.response(to_head=True)
+            assert (head.status, head.headers["connection"]) == (status, "close")
+            assert int(head.headers["content-length"]) > 0
+            assert await client.closed()  # and nothing after the head
+    assert not [entry for entry in logs if entry["log_level"] == "error"]
+
+
 async def test_expect_100_continue_is_answered_before_the_body_is_sent(daemon):
     client = await Raw.open(http_port(daemon))
     await client.send(b"POST /pub?topic=t HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\nExpect: 100-continue\r\n\r\n")
