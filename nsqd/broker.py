@@ -1078,8 +1078,13 @@ class Broker:
             saved = _checked_metadata((self.data_path / METADATA_FILE).read_bytes())
         except (OSError, ValueError):
             saved = {}
+        changes = metadata_changes(saved, json.loads(document))
+        if not changes:  # nothing a restart would miss (ids run ahead on start: guid.start_ahead)
+            log.warning("metadata could not be saved at shutdown; the saved one already holds every change",
+                        error=str(error))
+            return True
         log.error("metadata could not be saved at shutdown; a restart will not see these changes",
-                  error=str(error), **metadata_changes(saved, json.loads(document)))
+                  error=str(error), **changes)
         return False
 
     async def _stop_backends(self) -> None:

@@ -404,6 +404,25 @@ async def test_changes_answered_while_the_disk_is_full_and_not_saved_at_shutdown
     assert [(t["name"], t["paused"]) for t in saved["topics"]] == [("gone", False), ("kept", False)]
 
 
+async def test_a_full_disk_at_shutdown_with_nsqd_dat_up_to_date_says_nothing_is_missed(small_fs):
+    """The line said a restart would not see "these changes" and named none."""
+    http_port = free_port()
+    daemon = Daemon(small_fs, "--mem-queue-size=0", f"--http-address=127.0.0.1:{http_port}")
+    await daemon.wait_ready()
+    http = HTTPClient(http_port)
+    for path in ("/topic/create?topic=kept", "/channel/create?topic=kept&channel=c"):
+        assert (await http.post(path, b"")).status == 200
+    with trio.fail_after(10):
+        while [t["name"] for t in json.loads((small_fs / "nsqd.dat").read_bytes())["topics"]] != ["kept"]:
+            await trio.sleep(0.05)
+    fill_with_ballast(small_fs)
+    assert await daemon.stop() == 0
+    log = daemon.proc.stderr.read().decode()
+    lines = [line for line in log.splitlines() if "metadata could not be saved" in line]
+    assert len(lines) == 1 and "the saved one already holds every change" in lines[0], lines
+    assert "a restart will not see" not in log
+
+
 async def test_metadata_is_saved_at_shutdown_once_the_disk_has_room_again(small_fs):
     daemon, _ = await answered_while_full(small_fs)
     daemon.proc.send_signal(signal.SIGTERM)
