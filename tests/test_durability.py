@@ -452,7 +452,7 @@ async def test_deferred_records_read_before_they_are_due_stay_put_and_a_crash_br
         seen = []
         with trio.move_on_after(6):
             while True:
-                kind, data = await consumer.read_non_heartbeat()
+                kind, data = await consumer.read_non_heartbeat(timeout=10)  # the 6 s end it, not this
                 assert kind == 2, data  # (a second copy's FIN failed: ID not in flight)
                 seen.append(data[26:])
                 await consumer.command(b"FIN " + data[10:26])
