@@ -224,7 +224,7 @@ def test_a_checkpoint_that_grows_on_a_full_disk_is_refused_whole_and_the_last_on
     went back to the metadata saved at open, and every FIN since came back."""
     path = small_fs / "q.checkpoint.json"
     first = Metadata(read_segment=3, read_position=16, write_segment=3, write_position=800, depth=2, sequence=7)
-    checkpoint = CheckpointFile(path)
+    checkpoint = CheckpointFile((path, path.with_name("q.checkpoint.b.json")))
     checkpoint.save(first)
     _ballast(small_fs)
     longer = Metadata(read_segment=3, read_position=16, write_segment=3, write_position=900, depth=2,
@@ -243,7 +243,7 @@ def test_a_checkpoint_write_cut_short_puts_the_last_document_back(tmp_path, monk
     """Where blocks cannot be reserved ahead, a short write is undone with the document it replaced."""
     path = tmp_path / "q.checkpoint.json"
     first = Metadata(read_segment=1, read_position=16, write_segment=1, write_position=64, depth=1, sequence=2)
-    checkpoint = CheckpointFile(path)
+    checkpoint = CheckpointFile((path, path.with_name("q.checkpoint.b.json")))
     checkpoint.save(first)
     real_pwrite = os.pwrite
     calls = []

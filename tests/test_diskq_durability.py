@@ -18,8 +18,9 @@ from nsqd.diskq import writer as writer_module
 def metadata(path, name="q"):
     """The newest save: the metadata file or, while the queue runs, its checkpoint file (a new
     queue has neither until its first checkpoint: no file says what an empty one would)."""
-    saved = [json.loads(file.read_text()) for file in (path / f"{name}.diskq.meta.json", path / f"{name}.diskq.checkpoint.json")
-             if file.exists()]
+    files = (path / f"{name}.diskq.meta.json", path / f"{name}.diskq.checkpoint.json",
+             path / f"{name}.diskq.checkpoint.b.json")
+    saved = [json.loads(file.read_text()) for file in files if file.exists()]
     return max(saved, key=lambda document: document.get("sequence", 0), default={"depth": 0})
 
 
@@ -643,3 +644,34 @@ async def test_a_commit_waits_for_a_free_worker_thread(tmp_path):
         for holder in holders:
             limiter.release_on_behalf_of(holder)
     queue.close()
+
+
+async def test_the_checkpoint_saved_last_is_fsynced_by_the_next_round(tmp_path, counted_syncs):
+    """A checkpoint was a pwrite left to write-back: after a power loss its file held zeros (blocks
+    reserved, not yet written) and every record finished since the queue opened came back. The
+    checkpoint saved last is now synced by the next round (one of its own before the queue
+    rests), and the next save goes to the other file."""
+    queue = DiskQueue("q", tmp_path, sync_every=1)
+    first, second = tmp_path / "q.diskq.checkpoint.json", tmp_path / "q.diskq.checkpoint.b.json"
+    synced = []  # the checkpoint files' inodes, as each sync covering one completed
+    real_synced = queue._checkpoint_file.synced
+    queue._checkpoint_file.synced = lambda fd: (synced.append(os.fstat(fd).st_ino), real_synced(fd))
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(queue.run)
+        queue.put_many([b"a", b"b"])
+        await queue.wait_durable()
+        await wait_until(lambda: synced)  # the data's round, then one for the checkpoint
+        assert len(counted_syncs) == 2 and counted_syncs[1].fds == [counted_syncs[1].checkpoint_fd]
+        assert synced == [first.stat().st_ino]
+        queue.put(b"c")
+        await queue.wait_durable()
+        await wait_until(second.exists)  # the synced one is kept
+        assert json.loads(second.read_text())["sequence"] > json.loads(first.read_text())["sequence"]
+        await wait_until(lambda: len(synced) == 2)
+        assert synced == [first.stat().st_ino, second.stat().st_ino]
+        await trio.sleep(0.05)
+        assert len(counted_syncs) == 4  # then the queue rests
+        nursery.cancel_scope.cancel()
+    queue.close()
+    assert not first.exists() and not second.exists()  # the metadata file holds the newest save

@@ -274,7 +274,7 @@ def test_checkpoint_file_is_overwritten_in_place_and_the_newest_save_wins(tmp_pa
     meta_path, checkpoint_path = tmp_path / "m.json", tmp_path / "m.checkpoint.json"
     save_metadata(meta_path, Metadata(read_segment=0, read_position=16, write_segment=0, write_position=16,
                                       depth=0, sequence=4))
-    checkpoint = CheckpointFile(checkpoint_path)
+    checkpoint = CheckpointFile((checkpoint_path, tmp_path / "m.checkpoint.b.json"))
     long = Metadata(read_segment=1, read_position=16, write_segment=2, write_position=500, depth=9,
                     kept=tuple((i, i, {"a": i}) for i in range(50)), kept_count=50, sequence=5)
     checkpoint.save(long)
@@ -293,6 +293,38 @@ def test_checkpoint_file_is_overwritten_in_place_and_the_newest_save_wins(tmp_pa
     assert load_newest([meta_path, checkpoint_path])[0].sequence == 4
 
 
+def test_a_checkpoint_save_never_goes_over_the_newest_synced_one(tmp_path):
+    """One file overwritten in place: after a power loss it may hold zeros or a torn document (its
+    save not yet written back), and recovery fell back to the metadata saved when the queue
+    opened. With two slots, the newest one a sync covered is never written over."""
+    paths = (tmp_path / "q.checkpoint.json", tmp_path / "q.checkpoint.b.json")
+    checkpoint = CheckpointFile(paths)
+
+    def meta(sequence):
+        return Metadata(read_segment=1, read_position=16 * sequence, write_segment=1, write_position=4096,
+                        depth=9, sequence=sequence)
+
+    checkpoint.save(meta(1))
+    fd = checkpoint.unsynced_fd()
+    assert fd is not None
+    checkpoint.save(meta(2))  # not synced yet: the same slot again
+    assert load_metadata(paths[0]) == meta(2) and not paths[1].exists()
+    checkpoint.synced(fd)
+    assert checkpoint.unsynced_fd() is None
+    checkpoint.save(meta(3))  # the synced one (2) is kept
+    assert (load_metadata(paths[0]), load_metadata(paths[1])) == (meta(2), meta(3))
+    checkpoint.synced(checkpoint.unsynced_fd())
+    checkpoint.close()  # the queue rested: the slots are opened again at the next save
+    checkpoint.save(meta(4))
+    assert (load_metadata(paths[0]), load_metadata(paths[1])) == (meta(4), meta(3))
+
+    paths[0].write_bytes(bytes(len(encode_metadata(meta(4)))))  # zeros: a power loss before write-back
+    newest, unusable = load_newest(paths)
+    assert newest == meta(3) and [path for path, _ in unusable] == [paths[0]]
+    checkpoint.remove()
+    assert not any(path.exists() for path in paths)
+
+
 def test_a_checkpoint_file_opened_again_is_never_emptied_first(tmp_path, monkeypatch):
     """A queue that rests closes its checkpoint file and opens it again at its next save. Opened
     with O_TRUNC, a kill or a full disk between the truncate and the write left it empty, and
@@ -301,14 +333,14 @@ def test_a_checkpoint_file_opened_again_is_never_emptied_first(tmp_path, monkeyp
     path = tmp_path / "q.checkpoint.json"
     first = Metadata(read_segment=3, read_position=16, write_segment=3, write_position=800, depth=2,
                      kept=tuple((i, i, {"a": i}) for i in range(20)), kept_count=20, sequence=7)
-    checkpoint = CheckpointFile(path)
+    checkpoint = CheckpointFile((path, tmp_path / "q.checkpoint.b.json"))
     checkpoint.save(first)
     checkpoint.close()  # the queue rested
 
     def no_space(fd, data, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    reopened = CheckpointFile(path)
+    reopened = CheckpointFile((path, tmp_path / "q.checkpoint.b.json"))
     with monkeypatch.context() as patch:
         patch.setattr(os, "pwrite", no_space)
         shorter = Metadata(read_segment=4, read_position=16, write_segment=4, write_position=16, depth=0,

@@ -306,7 +306,7 @@ def test_an_open_after_a_crash_saves_the_metadata_and_drops_the_checkpoint_file(
     monkeypatch.setattr(queue_module, "save_metadata", lambda path, meta: (saves.append(meta), real(path, meta)))
     queue = DiskQueue("q", tmp_path)
     assert len(saves) == 1 and saves[0].depth == 6
-    assert not any(path.name.endswith("checkpoint.json") for path in tmp_path.iterdir())
+    assert not any(".diskq.checkpoint" in path.name for path in tmp_path.iterdir())
     assert drain(queue) == records(10)[4:]
     queue.close()
 

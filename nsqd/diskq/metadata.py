@@ -2,13 +2,14 @@
 
 Metadata is a hint that saves a full scan on open, never the source of
 truth: it carries a checksum and recovery checks it against the segment
-files. It lives in two files. The metadata file is replaced atomically
-(temp file, fsync, rename, fsync directory) on open, empty and close; the
-checkpoint file is overwritten in place by the checkpoints in between, one
-``pwrite`` with no fsync (a rename costs a few hundred microseconds, a
-``pwrite`` a few). Each save carries a sequence number and the newest valid
-file wins, so a torn checkpoint falls back to the metadata file: records
-finished since then are delivered again, none is lost.
+files. It lives in three files. The metadata file is replaced atomically
+(temp file, fsync, rename, fsync directory) on open, empty and close; two
+checkpoint files are overwritten in place in turn by the checkpoints in
+between, one ``pwrite`` each, fsynced by the queue's next commit round (a
+rename costs a few hundred microseconds, a ``pwrite`` a few). Each save
+carries a sequence number and the newest valid file wins, so a torn
+checkpoint falls back to the one before: records finished since then are
+delivered again, none is lost.
 
 Version 3 adds the sequence number; version 2 the release point. Records before it are finished and their
 segments may go; records between it and the read position were read but
@@ -157,62 +158,110 @@ def stage_metadata(path: Path, meta: Metadata, *, fsync: bool) -> Path:
 
 
 class CheckpointFile:
-    """The checkpoint file, overwritten in place (kept open while its queue is busy).
+    """The checkpoint files: two slots, each overwritten in place, saved in turn.
 
     A save is one ``pwrite`` into the page cache: it survives the process
-    being killed, and after a power loss a torn or stale file only loses to
-    the metadata file. The file is never emptied first (no ``O_TRUNC`` when
-    it is opened again after its queue rested: a kill, or a full disk, right
-    after the truncate left an empty file, and recovery went back to the
-    metadata saved at open). A shorter document is written padded with
-    blanks to the old size, which JSON ignores, and cut to size after; a
-    longer one gets its blocks reserved first, so a full disk refuses the
-    save before anything is overwritten (a short write had torn the file:
-    every FIN since the open came back). Should a write fail all the same,
-    the last document goes back in its place. Every state the file passes
+    being killed. For a power loss, the queue's next commit round fsyncs the
+    slot saved last (:meth:`unsynced_fd`, :meth:`synced`), and a save never
+    goes over the newest slot known to be synced: after a power loss the
+    slot a save may have torn (or left as zeros, in blocks reserved but not
+    yet written back) loses to that one, and records finished since the save
+    before last are delivered again. With one file, torn, recovery fell back
+    to the metadata file saved when the queue opened, and every record
+    finished since came back.
+    """
+
+    def __init__(self, paths: tuple[Path, Path]) -> None:
+        self._slots = (_Slot(paths[0]), _Slot(paths[1]))
+        #: the slot saved last (None: neither, since they were removed), and whether a sync covered it
+        self._current: int | None = None
+        self._current_synced = False
+
+    def save(self, meta: Metadata) -> None:
+        if self._current is None:
+            target = 0
+        elif self._current_synced:
+            target = 1 - self._current
+        else:  # the other slot holds the newest synced save: keep it
+            target = self._current
+        self._slots[target].save(encode_metadata(meta))
+        self._current, self._current_synced = target, False
+
+    def unsynced_fd(self) -> int | None:
+        """The open descriptor of the slot saved last, if no sync has covered it yet."""
+        if self._current is None or self._current_synced:
+            return None
+        return self._slots[self._current].fd
+
+    def synced(self, fd: int) -> None:
+        """A sync of ``fd`` (from :meth:`unsynced_fd`) completed."""
+        if self._current is not None and self._slots[self._current].fd == fd:
+            self._current_synced = True
+
+    def remove(self) -> None:
+        """Close and delete both slots (the metadata file now holds a newer save)."""
+        for slot in self._slots:
+            slot.remove()
+        self._current = None
+
+    def close(self) -> None:
+        for slot in self._slots:
+            slot.close()
+
+
+class _Slot:
+    """One checkpoint file, overwritten in place (kept open while its queue is busy).
+
+    The file is never emptied first (no ``O_TRUNC`` when it is opened again
+    after its queue rested: a kill, or a full disk, right after the truncate
+    left an empty file, and recovery went back to the metadata saved at
+    open). A shorter document is written padded with blanks to the old size,
+    which JSON ignores, and cut to size after; a longer one gets its blocks
+    reserved first, so a full disk refuses the save before anything is
+    overwritten (a short write had torn the file: every FIN since the open
+    came back). Should a write fail all the same, the last document goes
+    back in its place. Short of a power loss, every state the file passes
     through is a valid document.
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._fd: int | None = None
+        self.fd: int | None = None
         self._size = 0
         #: the document the file holds, to put back if a save fails part-way
         self._saved = b""
 
-    def save(self, meta: Metadata) -> None:
-        data = encode_metadata(meta)
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            self._size = os.fstat(self._fd).st_size
-            self._saved = os.pread(self._fd, self._size, 0)
+    def save(self, data: bytes) -> None:
+        if self.fd is None:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            self._size = os.fstat(self.fd).st_size
+            self._saved = os.pread(self.fd, self._size, 0)
         size = len(data)
         if size < self._size:
             data += b" " * (self._size - size)
         elif size > self._size:
-            reserve_now(self._fd, 0, size)
+            reserve_now(self.fd, 0, size)
         try:
-            written = os.pwrite(self._fd, data, 0)
+            written = os.pwrite(self.fd, data, 0)
             if written != len(data):
                 raise OSError(errno.ENOSPC, f"short write of {self.path} ({written} of {len(data)} bytes)")
         except OSError:
             self._put_back()
             raise
         if size < self._size:
-            os.ftruncate(self._fd, size)
+            os.ftruncate(self.fd, size)
         self._size = size
         self._saved = data[:size]
 
     def _put_back(self) -> None:
         """Write the last document over a torn save (its blocks are the file's already)."""
         try:
-            os.pwrite(self._fd, self._saved, 0)
-            os.ftruncate(self._fd, self._size)  # a longer save may have extended the file part-way
+            os.pwrite(self.fd, self._saved, 0)
+            os.ftruncate(self.fd, self._size)  # a longer save may have extended the file part-way
         except OSError:
             pass
 
     def remove(self) -> None:
-        """Close and delete the file (the metadata file now holds a newer save)."""
         self.close()
         try:
             os.unlink(self.path)
@@ -220,6 +269,6 @@ class CheckpointFile:
             pass
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None

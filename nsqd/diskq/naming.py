@@ -108,7 +108,9 @@ class QueueFiles:
         self._stem = queue_stem(name)
         self._present = present
         self.metadata_path = self.directory / (self._stem + "meta.json")
-        self.checkpoint_path = self.directory / (self._stem + "checkpoint.json")
+        #: the two checkpoint files, saved in turn (see metadata.CheckpointFile)
+        self.checkpoint_paths = (self.directory / (self._stem + "checkpoint.json"),
+                                 self.directory / (self._stem + "checkpoint.b.json"))
         self.lock_path = self.directory / (self._stem + "lock")
 
     def segment_path(self, segment: int) -> Path:

@@ -209,6 +209,8 @@ class DiskQueue:
         self._ops_since_checkpoint = 0
         #: records were read since the last checkpoint (a crash would read them again)
         self._read_since_checkpoint = False
+        #: the round that was to sync the checkpoint saved last before the queue rested failed
+        self._settle_failed = False
         self._checkpoint_due = False
         self._metadata_dirty = False
         self._last_checkpoint = float("-inf")
@@ -217,7 +219,7 @@ class DiskQueue:
         self.failing: str | None = None
         self._failing_save = False
         self._sequence = state.sequence
-        self._checkpoint_file = CheckpointFile(self._files.checkpoint_path)
+        self._checkpoint_file = CheckpointFile(self._files.checkpoint_paths)
         #: the metadata file's document while no checkpoint file is newer (None: not known to be so)
         self._on_disk: Metadata | None = None
         self._gate = sync.SyncGate()
@@ -673,6 +675,7 @@ class DiskQueue:
         try:
             task_status.started()
             while not self._closed:
+                settle = False
                 if self._next_round.waiters:
                     # they joined while the last round synced: start theirs now, not after a scheduler
                     # pass (a pass of busy publishers would be added to every confirmation's wait)
@@ -682,6 +685,8 @@ class DiskQueue:
                         if self._dirty():
                             with trio.move_on_at(self._last_checkpoint + self._sync_timeout):
                                 await self._wakeup.park()
+                        elif self._checkpoint_file.unsynced_fd() is not None and not self._settle_failed:
+                            settle = True  # a round syncs the checkpoint saved last before the queue rests
                         else:  # clean: nothing is due until something changes
                             self._rest()
                             await self._wakeup.park()
@@ -690,9 +695,12 @@ class DiskQueue:
                         break
                 overdue = trio.current_time() >= self._last_checkpoint + self._sync_timeout
                 checkpoint = self._checkpoint_due or (overdue and self._dirty())
-                if checkpoint or self._next_round.waiters:
+                if checkpoint or self._next_round.waiters or settle:
                     with trio.CancelScope(shield=True):
                         await self._commit(checkpoint)
+                    # a failed sync is not tried again at once: the queue rests, and its next save
+                    # goes to the same file again (the other one holds the last save synced)
+                    self._settle_failed = settle and self._checkpoint_file.unsynced_fd() is not None
                     if not self._next_round.waiters:  # no next round to start first
                         self._release_synced()
                 elif overdue:
@@ -734,6 +742,8 @@ class DiskQueue:
             await self._sync(plan, commit, target)
             if commit.error is not None:
                 return
+            if plan.checkpoint_fd is not None and plan.generation == self._gate.generation:
+                self._checkpoint_file.synced(plan.checkpoint_fd)
         else:
             self._settle(plan, commit, target, None)
         if plan.metadata is not None:
@@ -909,6 +919,11 @@ class DiskQueue:
             sync_directory=writer.directory_changed,
         )
         writer.directory_changed = False
+        # the checkpoint saved last, made durable with the data (the next save keeps it: its slot
+        # is not written again until this one is synced)
+        plan.checkpoint_fd = self._checkpoint_file.unsynced_fd()
+        if plan.checkpoint_fd is not None:
+            plan.fds.append(plan.checkpoint_fd)
         if checkpoint:
             self._metadata_dirty = False  # (before the snapshot: its keeper may want another one later)
             meta = plan.metadata = self._snapshot()
@@ -1109,7 +1124,7 @@ class DiskQueue:
             # times for a topic with two channels, in the event loop); older ones were released
             self._discard_segments(range(self._oldest_segment, self._writer.segment + 1))
             metadata = self._files.metadata_path
-            for path in (metadata, metadata.with_name(metadata.name + ".tmp"), self._files.checkpoint_path,
+            for path in (metadata, metadata.with_name(metadata.name + ".tmp"), *self._files.checkpoint_paths,
                          self._files.lock_path):
                 _unlink_if_present(path)
         self._log.info("diskq_deleted")

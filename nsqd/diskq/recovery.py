@@ -145,10 +145,10 @@ class _Recovery:
 
     def _alone(self, meta: Metadata | None) -> Metadata | None:
         """The metadata file's document if no checkpoint file is beside it (see RecoveredState.on_disk)."""
-        return meta if meta is not None and not self.files.checkpoint_path.exists() else None
+        return meta if meta is not None and not any(path.exists() for path in self.files.checkpoint_paths) else None
 
     def _load_metadata(self) -> tuple[Metadata | None, list]:
-        meta, unusable = load_newest([self.files.metadata_path, self.files.checkpoint_path])
+        meta, unusable = load_newest([self.files.metadata_path, *self.files.checkpoint_paths])
         for path, reason in unusable:
             self.log.warning("diskq_metadata_unusable", path=str(path), reason=reason)
         return meta, unusable

@@ -40,6 +40,8 @@ class SyncPlan:
     """The checkpoint to save once the data is durable (saved in the Trio thread)."""
     consumed: list[int] = field(default_factory=list)
     """Fully read segments, removed once ``metadata`` (which no longer points at them) is saved."""
+    checkpoint_fd: int | None = None
+    """The checkpoint file saved last, in ``fds`` until a sync has covered it."""
 
 
 def execute(plan: SyncPlan, files: QueueFiles, gate: SyncGate) -> None:
