@@ -1,5 +1,5 @@
-"""What the end of a connection leaves: no reference cycle (its objects are freed at once), and
-no failure beyond it.
+"""What the end of a connection, or a deleted topic or channel, leaves: no reference cycle (its
+objects are freed at once), and no failure beyond it.
 
 A cycle waits for a full collection, which a quiet daemon may not run for
 minutes: 8,000 idle NSQ connections opened and closed left 115 MB behind,
@@ -115,3 +115,31 @@ async def test_a_failure_while_an_amqp_connection_ends_stays_with_that_connectio
         publisher = await NSQConnection.open(tcp_port(nsqd))
         await publisher.pub("t", b"after")
         await publisher.close()
+
+
+async def test_a_deleted_topic_or_channel_leaves_no_cycle_behind(tmp_path):
+    """Each deleted topic kept everything it held (16.5 MB for 8,000 messages of 2 KB) until a full
+    collection, which a quiet daemon may not run: its disk queue's keeper pointed back at it."""
+    async with gateway(tmp_path) as nsqd:
+        port = tcp_port(nsqd)
+        daemon_garbage()
+        older = {id(o) for o in gc.get_objects()}
+        publisher = await NSQConnection.open(port)
+        for name in ("gone", "kept"):
+            nsqd.declare(name, "c")
+            nsqd.declare(name, "d")
+            await publisher.mpub(name, [b"x" * 2000] * 50)
+            await publisher.command(f"DPUB {name} 60000", b"later")
+            await publisher.expect_response(b"OK")
+        consumer = await NSQConnection.open(port)
+        await consumer.sub("kept", "c")
+        await consumer.command("RDY 5")
+        await consumer.read_message()  # in flight when its channel goes
+        nsqd.delete_topic("gone")
+        nsqd.delete_channel(nsqd.topics["kept"], "c")
+        await publisher.close()
+        await eventually(lambda: len(nsqd.clients) <= 1)
+        await trio.sleep(0.1)
+        garbage = daemon_garbage(older)
+        assert garbage == Counter(), dict(garbage)
+        await consumer.close()

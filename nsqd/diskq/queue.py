@@ -1128,6 +1128,7 @@ class DiskQueue:
                          self._files.lock_path):
                 _unlink_if_present(path)
         self._log.info("diskq_deleted")
+        self.keeper = None  # it points back at the owner: a cycle would hold both until a full collection
         self._release_waiters(DiskQueueError(f"disk queue {self.name!r} was deleted"))
 
     def _discard_segments(self, segments: Iterable[int]) -> None:
