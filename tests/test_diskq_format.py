@@ -1,5 +1,6 @@
 """Unit tests of the record codec, file naming and metadata encoding."""
 
+import dataclasses
 import errno
 import json
 import os
@@ -323,6 +324,26 @@ def test_a_checkpoint_save_never_goes_over_the_newest_synced_one(tmp_path):
     assert newest == meta(3) and [path for path, _ in unusable] == [paths[0]]
     checkpoint.remove()
     assert not any(path.exists() for path in paths)
+
+
+def test_a_checkpoint_that_only_moved_the_write_position_needs_no_sync(tmp_path):
+    """Lost, it would deliver nothing again (recovery scans the segments from the older write
+    position): a queue only written pays no fsync for its checkpoints. The synced one is kept."""
+    paths = (tmp_path / "q.checkpoint.json", tmp_path / "q.checkpoint.b.json")
+    checkpoint = CheckpointFile(paths)
+    base = Metadata(read_segment=1, read_position=16, write_segment=1, write_position=100, depth=3, sequence=1)
+    checkpoint.save(base)
+    checkpoint.synced(checkpoint.unsynced_fd())
+    for sequence in (2, 3):  # written on
+        checkpoint.save(dataclasses.replace(base, write_position=100 * sequence, depth=sequence + 2,
+                                            sequence=sequence))
+        assert checkpoint.unsynced_fd() is None
+    assert (load_metadata(paths[0]).sequence, load_metadata(paths[1]).sequence) == (1, 3)
+    read = dataclasses.replace(base, read_position=64, write_position=400, sequence=4)
+    checkpoint.save(read)  # where reading stands moved
+    assert checkpoint.unsynced_fd() is not None
+    assert load_metadata(paths[0]).sequence == 1 and load_metadata(paths[1]) == read
+    checkpoint.remove()
 
 
 def test_a_checkpoint_file_opened_again_is_never_emptied_first(tmp_path, monkeypatch):

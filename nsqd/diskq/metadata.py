@@ -163,50 +163,65 @@ class CheckpointFile:
     A save is one ``pwrite`` into the page cache: it survives the process
     being killed. For a power loss, the queue's next commit round fsyncs the
     slot saved last (:meth:`unsynced_fd`, :meth:`synced`), and a save never
-    goes over the newest slot known to be synced: after a power loss the
-    slot a save may have torn (or left as zeros, in blocks reserved but not
-    yet written back) loses to that one, and records finished since the save
+    goes over the newest slot a sync covered: after a power loss the slot a
+    save may have torn (or left as zeros, in blocks reserved but not yet
+    written back) loses to that one, and records finished since the save
     before last are delivered again. With one file, torn, recovery fell back
     to the metadata file saved when the queue opened, and every record
     finished since came back.
+
+    A save that changed only where writing stands (and the depth) from the
+    synced one needs no sync: were it lost, recovery would deliver nothing
+    again, only scan the segments from the older write position. So a queue
+    that is only written pays no fsync for its checkpoints.
     """
 
     def __init__(self, paths: tuple[Path, Path]) -> None:
         self._slots = (_Slot(paths[0]), _Slot(paths[1]))
-        #: the slot saved last (None: neither, since they were removed), and whether a sync covered it
+        #: the slot saved last, and its read state (see _read_state); None: neither since removed
         self._current: int | None = None
-        self._current_synced = False
+        self._current_state: tuple = ()
+        #: the slot of the newest save a sync covered, never written over, and its read state
+        self._synced: int | None = None
+        self._synced_state: tuple = ()
 
     def save(self, meta: Metadata) -> None:
-        if self._current is None:
-            target = 0
-        elif self._current_synced:
-            target = 1 - self._current
-        else:  # the other slot holds the newest synced save: keep it
-            target = self._current
+        if self._synced is not None:
+            target = 1 - self._synced
+        else:
+            target = 0 if self._current is None else self._current
         self._slots[target].save(encode_metadata(meta))
-        self._current, self._current_synced = target, False
+        self._current, self._current_state = target, _read_state(meta)
 
     def unsynced_fd(self) -> int | None:
-        """The open descriptor of the slot saved last, if no sync has covered it yet."""
-        if self._current is None or self._current_synced:
+        """The open descriptor of the slot saved last, if a sync should cover it: its read state
+        differs from the synced one's."""
+        if self._current is None or self._current == self._synced:
+            return None
+        if self._synced is not None and self._current_state == self._synced_state:
             return None
         return self._slots[self._current].fd
 
     def synced(self, fd: int) -> None:
         """A sync of ``fd`` (from :meth:`unsynced_fd`) completed."""
         if self._current is not None and self._slots[self._current].fd == fd:
-            self._current_synced = True
+            self._synced, self._synced_state = self._current, self._current_state
 
     def remove(self) -> None:
         """Close and delete both slots (the metadata file now holds a newer save)."""
         for slot in self._slots:
             slot.remove()
-        self._current = None
+        self._current = self._synced = None
 
     def close(self) -> None:
         for slot in self._slots:
             slot.close()
+
+
+def _read_state(meta: Metadata) -> tuple:
+    """What a checkpoint says about reading: where it stands and what is still kept."""
+    return (meta.read_segment, meta.read_position, meta.release_segment, meta.release_position,
+            meta.kept, meta.kept_count)
 
 
 class _Slot:
