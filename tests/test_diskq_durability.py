@@ -429,6 +429,7 @@ async def test_a_clean_queue_sleeps_until_something_changes(tmp_path):
         await nursery.start(queue.run)
         queue.put_many([b"a", b"b"])
         await wait_until(lambda: metadata(tmp_path)["depth"] == 2)
+        await wait_until(lambda: queue._checkpoint_file.unsynced_fd() is None)  # its round synced it
         trio.lowlevel.add_instrument(steps)
         await trio.sleep(0.3)  # 15 sync timeouts with nothing to save
         assert steps.steps == 0
