@@ -136,22 +136,13 @@ class Request:
             try:
                 chunk = await self.receive()
             except http_server.BrokenBody as exc:
-                raise BodyBroken(bytes(body), exc.detail) from None
+                exc.received = bytes(body)
+                raise
             if not chunk:
                 break
             body += chunk
         del body[limit + 1:]
         return bytes(body)
-
-
-class BodyBroken(Exception):
-    """The body broke off (http_server.BrokenBody) after ``received``: Go's handlers answer a
-    failed read with 500, a binary ``/mpub`` with what its reader could not read."""
-
-    def __init__(self, received: bytes, detail: str) -> None:
-        super().__init__(detail)
-        self.received = received
-        self.detail = detail
 
 
 def _first(query: dict[str, list[str]], key: str) -> str | None:
@@ -328,7 +319,7 @@ class HTTPAPI:
         """The handler's status and result; any failure becomes a status and Go's message."""
         try:
             return 200, await handler(request, **params)
-        except (BodyBroken, http_server.BrokenBody) as exc:
+        except http_server.BrokenBody as exc:  # as nsqd's handlers answer a failed read
             log.info("HTTP request body broke off", uri=request.uri, error=exc.detail)
             return 500, "INTERNAL_ERROR"
         except http_server.RequestAborted:  # the server answers (or drops) the client itself
@@ -494,7 +485,7 @@ class HTTPAPI:
         async with self._body_memory(request, opts.max_body_size, "MPUB"):
             try:
                 body = await request.read_body(opts.max_body_size)
-            except BodyBroken as exc:
+            except http_server.BrokenBody as exc:
                 if not binary:
                     raise
                 # nsqd's reader fails on the part it could not read, whatever broke it

@@ -149,6 +149,8 @@ class BrokenBody(BadRequest):
 
     def __init__(self, detail: str) -> None:
         super().__init__(500, "INTERNAL_ERROR", detail)
+        #: what of the body the app had read before it broke off (set by the app's reader)
+        self.received = b""
 
 
 @dataclass

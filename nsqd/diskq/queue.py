@@ -919,8 +919,8 @@ class DiskQueue:
             sync_directory=writer.directory_changed,
         )
         writer.directory_changed = False
-        # the checkpoint saved last, made durable with the data (the next save keeps it: its slot
-        # is not written again until this one is synced)
+        # the checkpoint saved last, made durable with the data (saves never go over the newest
+        # synced one, see CheckpointFile)
         plan.checkpoint_fd = self._checkpoint_file.unsynced_fd()
         if plan.checkpoint_fd is not None:
             plan.fds.append(plan.checkpoint_fd)
